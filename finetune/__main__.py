@@ -1,0 +1,5 @@
+import sys
+
+from finetune.cli import main
+
+sys.exit(main())

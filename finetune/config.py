@@ -1,0 +1,163 @@
+"""The run config: one typed dataclass, loaded from YAML, overridden from the
+command line, validated before any process group starts, and saved with the run
+as `run_config.yaml`.
+
+FSDP knobs are *not* here: they live in `accelerate_configs/*.yaml` and reach
+the program through `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from finetune.errors import UsageError
+
+TASKS = ("causal-lm",)
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    task: str = _opt("causal-lm", "what to train", choices=TASKS)
+    model: str = _opt("tiny-gpt2", "HF model id, local HF model dir, or a preset (tiny-gpt2, gpt2-small)")
+    dataset: str = _opt("builtin", "HF dataset id, local .txt/.jsonl/.parquet file or dir, or 'builtin'")
+    text_column: str = _opt("text", "column holding the text in .jsonl/.parquet/Hub datasets")
+    validation_split: float = _opt(0.05, "fraction of the documents held out for evaluation when the data has no validation split")
+    block_size: int = _opt(128, "tokens per training sequence")
+    trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
+
+    # where
+    output_dir: str = _opt("", "run directory (default: outputs/<task>-<timestamp>)")
+
+    # how long
+    max_steps: int = _opt(0, "optimizer steps to run; 0 = run num_epochs")
+    num_epochs: int = _opt(1, "passes over the training data (used when max_steps is 0)")
+
+    # optimisation
+    per_device_batch_size: int = _opt(8, "sequences per process per micro-batch")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    learning_rate: float = _opt(1e-3, "peak learning rate of AdamW")
+    weight_decay: float = _opt(0.1, "AdamW weight decay on weight matrices and embeddings; biases and norms get none")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.95, "AdamW beta2")
+    warmup_steps: int = _opt(0, "linear warmup steps before the cosine decay; 0 = 5% of the steps")
+    min_lr_ratio: float = _opt(0.1, "the cosine schedule decays to learning_rate * min_lr_ratio")
+    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
+    seed: int = _opt(42, "seed for model init, data order and dropout")
+
+    # bookkeeping
+    log_every: int = _opt(1, "write a metrics row every N optimizer steps")
+    eval_every: int = _opt(0, "evaluate on the validation split every N steps (0 = only at start and end)")
+    max_eval_batches: int = _opt(0, "cap evaluation at N batches per process (0 = the whole validation split)")
+    checkpoint_every: int = _opt(0, "sharded checkpoint every N optimizer steps (0 = only at the end)")
+    keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
+    resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from")
+    sample_prompt: str = _opt("The", "prompt for the sample printed from the final model ('' = no sample)")
+    overwrite: bool = _opt(False, "allow writing into an output_dir that already holds another run")
+
+    def resolved(self) -> "TrainConfig":
+        """Fill in defaults that depend on other fields."""
+        cfg = dataclasses.replace(self)
+        if not cfg.output_dir:
+            cfg.output_dir = str(Path("outputs") / f"{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return cfg
+
+    def validate(self) -> None:
+        positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every"]
+        non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "max_eval_batches",
+                        "checkpoint_every", "keep_last", "max_grad_norm", "weight_decay"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name} must be >= 0, got {getattr(self, name)}; pass 0 or more")
+        if self.max_steps == 0 and self.num_epochs == 0:
+            raise UsageError("both --max_steps and --num_epochs are 0; set one of them to how long to train")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0.0 < self.validation_split < 1.0:
+            raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UsageError(f"--min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.task not in TASKS:
+            raise UsageError(f"--task {self.task!r} is not supported; choose one of {', '.join(TASKS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainConfig))
+
+
+def field_types() -> dict[str, type]:
+    return get_type_hints(TrainConfig)
+
+
+def _suggest(name: str) -> str:
+    close = difflib.get_close_matches(name, [f.name for f in config_fields()], n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert a YAML or command-line value to the field's declared type."""
+    typ = field_types()[name]
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if typ is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        if typ is str and value is None:
+            return ""
+        return typ(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}: expected {typ.__name__}, got {value!r}; fix the value in the config or on the command line") from None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
+    """YAML file (optional) < command-line overrides. Unknown keys are errors."""
+    values: dict[str, Any] = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"config file {path} must hold a mapping of option: value; fix its layout")
+        known = {f.name for f in config_fields()}
+        for key in loaded:
+            if key not in known:
+                raise UsageError(f"unknown key '{key}' in {path}{_suggest(key)}")
+        values.update(loaded)
+    values.update(overrides)
+    cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
+    cfg.validate()
+    return cfg

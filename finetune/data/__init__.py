@@ -1,0 +1,1 @@
+"""Data loading: text for causal LMs, and the embedded default corpus."""

@@ -1,0 +1,138 @@
+"""Building the Accelerator, real FSDP on CPU-only machines, and the checks that
+a run which asked for FSDP really is sharded.
+
+Accelerate only selects FSDP when it finds an accelerator device: on a CPU-only
+machine `accelerate launch --config_file accelerate_configs/fsdp.yaml` starts
+the processes, but each one ends up alone (`NO`) or in plain DDP (`MULTI_CPU`)
+with the FSDP plugin silently dropped. PyTorch's FSDP2 (`fully_shard`) runs on
+CPU over gloo, so `enable_fsdp_on_cpu` sets up the gloo process group and hands
+it to Accelerate as a multi-device one; Accelerate then builds its FSDP state
+and `prepare` shards the model exactly as it would on GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DataLoaderConfiguration, DistributedType
+
+from finetune.errors import UsageError
+
+
+def fsdp_requested() -> bool:
+    """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def has_accelerator_device() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def check_fsdp_options_supported_here() -> None:
+    """FSDP1 and parameter offload need an accelerator device (measured: FSDP1
+    rejects `cpu:0`, FSDP2's CPUOffloadPolicy needs a device to offload from)."""
+    if has_accelerator_device() or not fsdp_requested():
+        return
+    if os.environ.get("FSDP_VERSION", "2") == "1":
+        raise UsageError("fsdp_version: 1 (FSDP1) needs a GPU and this machine has none; "
+                         "use accelerate_configs/fsdp.yaml (FSDP2), which runs on CPU")
+    if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
+                         "use accelerate_configs/fsdp.yaml")
+
+
+def enable_fsdp_on_cpu() -> None:
+    """Make Accelerate build real FSDP2 over gloo on a CPU-only machine.
+
+    `PartialState(cpu=True)` initialises the gloo process group as MULTI_CPU.
+    `AcceleratorState` only turns FSDP on for the multi-device kinds, so the
+    shared state is presented as MULTI_GPU while the Accelerator is built;
+    `restore_cpu_state` puts it back afterwards. Nothing else is patched.
+    """
+    state = PartialState(cpu=True)
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def restore_cpu_state() -> None:
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_GPU and not has_accelerator_device():
+        state.distributed_type = DistributedType.MULTI_CPU
+
+
+def build_accelerator(gradient_accumulation_steps: int, seed: int) -> Accelerator:
+    check_fsdp_options_supported_here()
+    on_cpu = not has_accelerator_device()
+    if on_cpu and fsdp_requested():
+        enable_fsdp_on_cpu()
+    elif on_cpu and launched_world_size() > 1:
+        # Without cpu=True, Accelerate leaves every CPU rank alone (NO).
+        PartialState(cpu=True)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        # We step the LR schedule once per optimizer step ourselves, so the
+        # schedule does not depend on the number of processes.
+        step_scheduler_with_optimizer=False,
+        # Data order depends on (seed, epoch) only: the same on every rank and
+        # after a resume.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+    )
+    restore_cpu_state()
+
+    if accelerator.num_processes != launched_world_size():
+        raise RuntimeError(f"launched {launched_world_size()} processes but Accelerate sees {accelerator.num_processes}: "
+                           "the ranks are not training together; refusing to train")
+    if fsdp_requested() and accelerator.distributed_type != DistributedType.FSDP:
+        raise RuntimeError(f"the accelerate config asks for FSDP but Accelerate chose {accelerator.distributed_type.value}; "
+                           "refusing to train unsharded")
+    return accelerator
+
+
+@dataclass
+class ShardReport:
+    total_params: int
+    local_params_per_rank: list[int]
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+
+
+def shard_report(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+    """Count this rank's share of the parameters and gather everyone's."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    local = sum(_local_numel(p) for p in params)
+    per_rank = accelerator.gather(torch.tensor([local], dtype=torch.long, device=accelerator.device))
+    return ShardReport(total_params=total, local_params_per_rank=[int(n) for n in per_rank.tolist()])
+
+
+def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+    """Fail loudly when FSDP was asked for and the parameters are not sharded."""
+    report = shard_report(model, accelerator)
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
+        return report
+    unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
+    if unsharded:
+        raise RuntimeError(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
+                           f"(first: {unsharded[0]}); refusing to train unsharded")
+    if sum(report.local_params_per_rank) != report.total_params or max(report.local_params_per_rank) >= report.total_params:
+        raise RuntimeError(f"FSDP shards do not partition the model: per-rank {report.local_params_per_rank}, "
+                           f"total {report.total_params}")
+    return report
+
+
+def peak_memory_bytes(accelerator: Accelerator) -> int:
+    """Peak memory of this rank: device allocator on GPU, resident set on CPU."""
+    if accelerator.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(accelerator.device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

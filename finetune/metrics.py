@@ -1,0 +1,94 @@
+"""Evaluation (perplexity through an `evaluate` module shipped with the
+package), the metrics.jsonl log, and the loss plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import evaluate
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+MODULES_DIR = Path(__file__).parent / "metrics_modules"
+
+
+def load_metric(name: str, accelerator: Accelerator) -> evaluate.EvaluationModule:
+    # evaluate copies the module into its cache on load: one rank at a time.
+    with accelerator.main_process_first():
+        return evaluate.load(str(MODULES_DIR / name), keep_in_memory=True)
+
+
+def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL of predicting input_ids[:, t+1] from position t, computed in
+    fp32 whatever the compute dtype (bf16 logits would quantise the loss)."""
+    shift_logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="none")
+    return nll.view(targets.shape)
+
+
+def sequence_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence summed next-token NLL and token counts."""
+    nll = next_token_nll(logits, input_ids)
+    return nll.sum(dim=1), torch.full((nll.size(0),), nll.size(1), dtype=torch.long, device=nll.device)
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, dataloader, accelerator: Accelerator, metric: evaluate.EvaluationModule,
+                        max_batches: int = 0) -> dict[str, float]:
+    """Every rank runs the same number of batches (FSDP forwards are collective);
+    `gather_for_metrics` drops the samples the distributed sampler repeated."""
+    was_training = model.training
+    model.eval()
+    for i, batch in enumerate(dataloader):
+        if max_batches and i >= max_batches:
+            break
+        nll, counts = sequence_nll(model(input_ids=batch["input_ids"]).logits, batch["input_ids"])
+        nll, counts = accelerator.gather_for_metrics((nll, counts))
+        metric.add_batch(nll_sum=nll.double().cpu().tolist(), num_tokens=counts.cpu().tolist())
+    model.train(was_training)
+    return metric.compute()
+
+
+class MetricsLog:
+    """metrics.jsonl, written by the main process only."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

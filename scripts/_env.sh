@@ -1,0 +1,32 @@
+# Sourced by quickstart.sh and test.sh: makes (or reuses) a virtual environment
+# with torch pinned first, then this package and its dependencies.
+#   FINETUNE_VENV           where the venv lives (default: .venv in the repo)
+#   FINETUNE_TORCH_VERSION  the torch release to install when none is present (default 2.13.0)
+# torch is installed on its own, pinned, so that no other package's range pulls
+# the newest multi-GB build. On a CPU machine that release is the CPU build; on
+# a GPU machine pip picks the matching CUDA build.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FINETUNE_VENV:-$REPO/.venv}"
+TORCH_VERSION="${FINETUNE_TORCH_VERSION:-2.13.0}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+
+if ! python -c "import torch" 2>/dev/null; then
+    echo "[setup] installing torch==$TORCH_VERSION"
+    python -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION"
+fi
+
+stamp="$VENV/.finetune-deps"
+want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import finetune" 2>/dev/null; then
+    echo "[setup] installing finetune and its dependencies"
+    python -m pip install --disable-pip-version-check -q -e "$REPO[test]"
+    echo "$want" > "$stamp"
+fi
+cd "$REPO"

@@ -1,0 +1,85 @@
+"""Shared helpers: real `accelerate launch` runs of the CLI on tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "accelerate_configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def env(cache_dir) -> dict:
+    e = dict(os.environ)
+    e.update(FINETUNE_CACHE=str(cache_dir / "finetune"), HF_DATASETS_CACHE=str(cache_dir / "datasets"),
+             HF_MODULES_CACHE=str(cache_dir / "modules"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+             TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return e
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, env) -> Path:
+    """About 120 kB of the built-in corpus as a .txt file: real text, quick to tokenize."""
+    from finetune.data.builtin import build_stdlib_corpus
+
+    os.environ["FINETUNE_CACHE"] = env["FINETUNE_CACHE"]
+    docs = [json.loads(line)["text"].replace("\n", " ") for line in build_stdlib_corpus().read_text().splitlines()]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    text, size = [], 0
+    for doc in docs:
+        text.append(doc)
+        size += len(doc)
+        if size > 120_000:
+            break
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fsdp.yaml",
+            mixed_precision: str | None = None, timeout: int = 300, extra_launch: list[str] = ()) -> subprocess.CompletedProcess:
+    """`accelerate launch ... -m finetune ARGS` with nproc processes, or plain
+    `python -m finetune ARGS` when nproc is None."""
+    if nproc is None:
+        cmd = [sys.executable, "-m", "finetune", *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *extra_launch]
+        if mixed_precision:
+            cmd += ["--mixed_precision", mixed_precision]
+        cmd += ["-m", "finetune", *args]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def eval_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r]
