@@ -9,6 +9,7 @@ Bad input raises `UsageError`: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     types = field_types()
     for f in config_fields():
         default = getattr(defaults, f.name)
-        help_text = f"{f.metadata['help']} (default: {default!r})"
+        help_text = f"{f.metadata['help']} (default: {default!r})".replace("%", "%%")
         kwargs = dict(default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         if types[f.name] is bool:
             parser.add_argument(f"--{f.name}", nargs="?", const=True, metavar="true|false", **kwargs)
@@ -32,9 +33,19 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad options are UsageErrors (one line, exit 2)."""
+    """argparse, but bad options are UsageErrors (one line, exit 2), and no
+    silent prefix matching (--max_step is a typo, not --max_steps)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            unknown = next((a for a in message.split()[2:] if a.startswith("--")), "")
+            options = [f"--{f.name}" for f in config_fields()] + ["--config"]
+            close = difflib.get_close_matches(unknown.split("=")[0], options, n=1)
+            if close:
+                message = f"unknown option {unknown}; did you mean {close[0]}?"
         raise UsageError(f"{message}; see `{self.prog} --help`")
 
 

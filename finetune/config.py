@@ -39,7 +39,7 @@ class TrainConfig:
     trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
 
     # where
-    output_dir: str = _opt("", "run directory (default: outputs/<task>-<timestamp>)")
+    output_dir: str = _opt("", "run directory; empty means outputs/<task>-<timestamp>")
 
     # how long
     max_steps: int = _opt(0, "optimizer steps to run; 0 = run num_epochs")

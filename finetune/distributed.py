@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -33,6 +34,23 @@ def launched_world_size() -> int:
 
 def has_accelerator_device() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 matmuls are fast only with AVX512-BF16 or AMX; elsewhere (AVX2-only
+    CPUs) they were measured 30-250x slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True  # not Linux: do not guess
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def slow_bf16_warning(accelerator: Accelerator) -> str | None:
+    if accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_has_native_bf16():
+        return ("warning: bf16 on this CPU (no avx512_bf16/amx_bf16) makes matmuls far slower than fp32; "
+                "add --mixed_precision no to accelerate launch for speed")
+    return None
 
 
 def check_fsdp_options_supported_here() -> None:

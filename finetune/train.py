@@ -25,7 +25,7 @@ from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_che
 from finetune.config import TrainConfig
 from finetune.data.text import load_raw_text, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
-from finetune.distributed import build_accelerator, peak_memory_bytes, verify_sharded
+from finetune.distributed import build_accelerator, peak_memory_bytes, slow_bf16_warning, verify_sharded
 from finetune.errors import UsageError
 from finetune.export import write_model_dir
 from finetune.metrics import MetricsLog, evaluate_perplexity, load_metric, next_token_nll, plot_loss
@@ -96,19 +96,18 @@ def train(cfg: TrainConfig) -> dict:
     check_run_dir(cfg)
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
     main = accelerator.is_main_process
+    if warning := slow_bf16_warning(accelerator):
+        accelerator.print(warning)
     run_dir = Path(cfg.output_dir)
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "run_config.yaml").write_text(config_yaml)
-        if not resume_from:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    accelerator.wait_for_everyone()
 
-    # Data and model. The main process tokenizes first and fills the cache.
+    # Data and model, checked before the run writes anything but its tokenizer.
+    # The main process goes first and fills the datasets cache.
     with accelerator.main_process_first():
         raw = load_raw_text(cfg.dataset, cfg.text_column, cfg.validation_split, cfg.seed)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, model = build_tokenizer_and_model(cfg, raw["train"], accelerator, run_dir)
     with accelerator.main_process_first():
         blocks = tokenize_and_group(raw, tokenizer, cfg.block_size)
@@ -117,6 +116,10 @@ def train(cfg: TrainConfig) -> dict:
         raise UsageError(f"{len(blocks['train'])} training blocks are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add text or lower "
                          "--per_device_batch_size/--block_size")
+    if main:
+        (run_dir / "run_config.yaml").write_text(config_yaml)
+        if not resume_from:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     train_loader = DataLoader(blocks["train"], batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(blocks["validation"], batch_size=cfg.per_device_batch_size)
 

@@ -1,0 +1,212 @@
+"""Fast, single-process tests of the pieces: config, CLI, data, schedule, model dir writing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from conftest import REPO
+from finetune.config import TrainConfig, config_fields, load_config
+from finetune.data.text import load_raw_text, tokenize_and_group
+from finetune.data.tokenizer import train_bpe_tokenizer
+from finetune.errors import UsageError
+from finetune.export import write_model_dir
+from finetune.train import lr_factor
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+def test_yaml_config_is_overridden_by_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 7\nlearning_rate: 0.01\nmodel: small-gpt2\n")
+    cfg = load_config(path, {"max_steps": "9"})
+    assert (cfg.max_steps, cfg.learning_rate, cfg.model) == (9, 0.01, "small-gpt2")
+
+
+def test_unknown_config_key_suggests_the_right_one(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rte: 0.01\n")
+    with pytest.raises(UsageError, match="unknown key 'learning_rte'.*did you mean 'learning_rate'"):
+        load_config(path, {})
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"max_steps": "-1"}, "--max_steps must be >= 0"),
+    ({"block_size": "0"}, "--block_size must be > 0"),
+    ({"validation_split": "1.5"}, "--validation_split must be between 0 and 1"),
+    ({"learning_rate": "abc"}, "learning_rate: expected float"),
+    ({"max_steps": "2.5"}, "max_steps: expected int"),
+    ({"task": "translation"}, "--task 'translation' is not supported"),
+])
+def test_bad_values_are_rejected_before_anything_runs(overrides, problem):
+    with pytest.raises(UsageError, match=problem):
+        load_config(None, overrides)
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(None, {"max_steps": "11", "overwrite": "true"}).resolved()
+    cfg.save(tmp_path / "run_config.yaml")
+    assert load_config(tmp_path / "run_config.yaml", {}) == cfg
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_train_help_lists_every_option_with_its_default():
+    out = _cli("train", "--help").stdout
+    for f in config_fields():
+        assert f"--{f.name}" in out, f.name
+    assert out.count("(default:") == len(config_fields())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--max_step", "3"], "unknown option --max_step; did you mean --max_steps?"),
+    (["train", "--dataset", "/no/such/file.txt", "--output_dir", "{tmp}/run"], "--dataset /no/such/file.txt does not exist"),
+    (["train", "--learning_rate", "-1"], "--learning_rate must be a positive number"),
+    (["resume", "{tmp}"], "is not a run directory"),
+])
+def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, args, message):
+    proc = _cli(*[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run_config.yaml").write_text("max_steps: 1\n")
+    proc = _cli("train", "--output_dir", str(run_dir))
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert (run_dir / "run_config.yaml").read_text() == "max_steps: 1\n"
+
+
+# --- schedule -------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    factors = [lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(20)]
+    assert factors[0] == pytest.approx(0.25)  # the first step already learns
+    assert factors[3] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+def test_builtin_corpus_is_real_text_and_deterministic(env):
+    from finetune.data.builtin import _docstrings, build_stdlib_corpus
+
+    path = build_stdlib_corpus()
+    docs = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert len(docs) > 1000 and sum(map(len, docs)) > 500_000
+    words = " ".join(docs[:200]).split()
+    assert sum(w.lower() in {"the", "a", "of", "is", "to"} for w in words) > 0.05 * len(words)
+    import argparse as some_module
+
+    source = open(some_module.__file__).read()
+    assert _docstrings(source) == _docstrings(source) and _docstrings(source)[0] in docs
+
+
+def test_blocks_are_exact_with_end_of_text_between_documents():
+    texts = ["alpha beta gamma delta", "epsilon zeta eta theta", "iota kappa lambda mu"] * 20
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    raw = DatasetDict(train=Dataset.from_dict({"text": texts}), validation=Dataset.from_dict({"text": texts[:6]}))
+    blocks = tokenize_and_group(raw, tokenizer, block_size=16)
+    stream = [t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+    assert len(blocks["train"]) == len(stream) // 16
+    assert blocks["train"][0]["input_ids"].tolist() == stream[:16]
+    assert all(len(ids) == 16 for ids in blocks["train"]["input_ids"])
+
+
+def test_text_shorter_than_one_block_is_a_clear_error():
+    tokenizer = train_bpe_tokenizer(["a few words of text"] * 5, vocab_size=280)
+    raw = DatasetDict(train=Dataset.from_dict({"text": ["a few words"]}), validation=Dataset.from_dict({"text": ["a few"]}))
+    with pytest.raises(UsageError, match="fewer than one block of --block_size 64"):
+        tokenize_and_group(raw, tokenizer, block_size=64)
+
+
+def test_local_jsonl_needs_the_text_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(10)))
+    with pytest.raises(UsageError, match="has no column 'text' .*columns: body.*--text_column"):
+        load_raw_text(str(path), "text", 0.1, 0)
+    raw = load_raw_text(str(path), "body", 0.2, 0)
+    assert len(raw["train"]) == 8 and len(raw["validation"]) == 2 and raw["train"].column_names == ["text"]
+
+
+def test_empty_data_file_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UsageError, match="is empty"):
+        load_raw_text(str(tmp_path / "empty.txt"), "text", 0.1, 0)
+
+
+# --- writing model dirs ---------------------------------------------------------------------------
+
+
+def _tiny_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=300,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def test_model_dir_stores_tied_weights_once_and_loads_tied(tmp_path):
+    model = _tiny_model()
+    write_model_dir(model.state_dict(), model.config, tmp_path / "out")
+    stored = load_file(tmp_path / "out" / "model.safetensors")
+    assert "lm_head.weight" not in stored and "transformer.wte.weight" in stored
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    ids = torch.arange(10).view(1, 10)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_large_model_dir_is_split_with_an_index(tmp_path):
+    model = _tiny_model()
+    write_model_dir(model.state_dict(), model.config, tmp_path / "out", max_shard_size=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_model_dir_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    model = _tiny_model()
+    with pytest.raises(UsageError, match="exists and is not empty; pass --overwrite"):
+        write_model_dir(model.state_dict(), model.config, out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_bf16_model_dir_is_half_the_size(tmp_path):
+    model = _tiny_model()
+    write_model_dir(model.state_dict(), model.config, tmp_path / "fp32")
+    write_model_dir(model.state_dict(), model.config, tmp_path / "bf16", dtype="bfloat16")
+    fp32 = (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    bf16 = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert 0.45 < bf16 / fp32 < 0.55
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_config_defaults_are_valid():
+    TrainConfig().validate()
