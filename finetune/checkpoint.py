@@ -1,28 +1,43 @@
 """Sharded checkpoints: when to save, how to save atomically, what to keep,
-and how to find and load one.
+how to find one, check it, and load it (also on another number of ranks).
 
 Each checkpoint is `accelerator.save_state` output (model and optimizer as DCP
-shards, scheduler, per-rank RNG states) plus `training_progress.json` and the
-run config. It is written under a temporary name and renamed only after every
-rank has finished writing, so a directory named `step_NNNNNN` is always
-complete.
+shards under FSDP, scheduler, per-rank RNG states) plus
+`training_progress.json` and the run config. It is written under a temporary
+name and renamed only after every rank has finished writing, so a directory
+named `step_NNNNNN` is always complete.
+
+Across a change of world size, DCP reshards the model and the optimizer
+moments, and the step, LR schedule, epoch and best eval carry over exactly. The
+data position carries over to within one global batch (the epoch's sample
+order is the same, the cut between ranks is not). Ranks that did not exist
+when the checkpoint was written get a fresh RNG stream seeded from
+(seed, step, rank).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 
 from finetune.errors import UsageError
 
+logger = logging.getLogger(__name__)
+
 PROGRESS_FILE = "training_progress.json"
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
+OPTIMIZER_SHARDS_DIR = "optimizer_0"
 PREFIX = "step_"
 
 
@@ -30,10 +45,9 @@ PREFIX = "step_"
 class TrainingProgress:
     step: int = 0                      # optimizer steps done
     epoch: int = 0                     # current epoch (0-based)
-    batches_in_epoch: int = 0          # micro-batches each rank consumed in the current epoch
-    samples_in_epoch: int = 0          # samples all ranks consumed in the current epoch
+    samples_in_epoch: int = 0          # samples all ranks together consumed in the current epoch
     best_eval_loss: float = math.inf
-    world_size: int = 1
+    world_size: int = 1                # ranks that wrote the checkpoint
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,14 +72,64 @@ def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path:
                              "drop --resume_from_checkpoint to start fresh")
         return found[-1]
     path = Path(spec)
-    if not (path / PROGRESS_FILE).is_file() or not (path / MODEL_SHARDS_DIR).is_dir():
-        raise UsageError(f"{spec} is not a complete checkpoint (no {PROGRESS_FILE} or {MODEL_SHARDS_DIR}/); "
+    if not (path / PROGRESS_FILE).is_file():
+        raise UsageError(f"{spec} is not a checkpoint of this tool (no {PROGRESS_FILE}); "
                          "pass a checkpoints/step_NNNNNN dir or 'latest'")
     return path
 
 
 def read_progress(checkpoint_dir: Path) -> TrainingProgress:
     return TrainingProgress(**json.loads((checkpoint_dir / PROGRESS_FILE).read_text()))
+
+
+def check_dcp_files(shard_dir: Path) -> FileSystemReader:
+    """Every file the DCP metadata names exists and is long enough."""
+    try:
+        reader = FileSystemReader(str(shard_dir))
+        metadata = reader.read_metadata()
+    except Exception:
+        raise UsageError(f"{shard_dir} has no readable DCP metadata (.metadata); the checkpoint is incomplete, "
+                         "resume from an earlier one") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = shard_dir / name
+        if not path.is_file():
+            raise UsageError(f"shard {path} is missing; the checkpoint is incomplete, resume from an earlier one")
+        if path.stat().st_size < size:
+            raise UsageError(f"shard {path} is truncated ({path.stat().st_size} of {size} bytes); "
+                             "the checkpoint is damaged, resume from an earlier one")
+    return reader
+
+
+def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes stored in a checkpoint, without loading any tensor."""
+    shard_dir = checkpoint_dir / MODEL_SHARDS_DIR
+    if shard_dir.is_dir():
+        metadata = check_dcp_files(shard_dir).read_metadata()
+        return {fqn.removeprefix("model."): tuple(meta.size) for fqn, meta in metadata.state_dict_metadata.items()
+                if hasattr(meta, "size")}
+    weights = checkpoint_dir / "model.safetensors"
+    if weights.is_file():
+        with safe_open(str(weights), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    raise UsageError(f"{checkpoint_dir} holds no model weights ({MODEL_SHARDS_DIR}/ or model.safetensors); "
+                     "resume from another checkpoint")
+
+
+def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
+    """The checkpoint was written for this architecture and size."""
+    stored = saved_shapes(checkpoint_dir)
+    for name, param in model.named_parameters():
+        if name not in stored:
+            raise UsageError(f"checkpoint {checkpoint_dir} has no parameter {name}: it was written for another "
+                             "architecture; resume with the run's own --model")
+        if tuple(param.shape) != stored[name]:
+            raise UsageError(f"checkpoint {checkpoint_dir} does not fit the model: {name} is {list(stored[name])} "
+                             f"in the checkpoint and {list(param.shape)} in the model; resume with the run's own --model")
+    if (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
+        check_dcp_files(checkpoint_dir / OPTIMIZER_SHARDS_DIR)
 
 
 class CheckpointManager:
@@ -77,8 +141,7 @@ class CheckpointManager:
 
     def maybe_save(self, progress: TrainingProgress, config_yaml: str, final: bool = False) -> Path | None:
         due = final or (self.every > 0 and progress.step % self.every == 0)
-        target = self.root / checkpoint_name(progress.step)
-        if not due or target.exists():
+        if not due or (self.root / checkpoint_name(progress.step)).exists():
             return None
         return self.save(progress, config_yaml)
 
@@ -92,6 +155,7 @@ class CheckpointManager:
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         if acc.is_main_process:
+            progress.world_size = acc.num_processes
             (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
             (tmp / "run_config.yaml").write_text(config_yaml)
         acc.wait_for_everyone()  # every rank's shards are on disk
@@ -102,11 +166,25 @@ class CheckpointManager:
         return target
 
     def _prune(self) -> None:
+        """Drop all but the newest keep_last complete checkpoints (never the newest)."""
         if self.keep_last <= 0:
             return
         for old in complete_checkpoints(self.root.parent)[:-self.keep_last]:
             shutil.rmtree(old)
 
-    def load(self, checkpoint_dir: Path) -> TrainingProgress:
-        self.accelerator.load_state(str(checkpoint_dir))
-        return read_progress(checkpoint_dir)
+    def load(self, checkpoint_dir: Path, model: torch.nn.Module, seed: int) -> TrainingProgress:
+        check_compatible(checkpoint_dir, model)
+        acc = self.accelerator
+        progress = read_progress(checkpoint_dir)
+        acc.load_state(str(checkpoint_dir))
+        if progress.world_size != acc.num_processes:
+            acc.print(f"checkpoint written by {progress.world_size} rank(s), resuming on {acc.num_processes}: "
+                      "model and optimizer resharded; step, LR schedule and epoch carry over; the data position "
+                      "carries over to within one global batch")
+        if acc.process_index >= progress.world_size:
+            # No saved RNG stream for this rank: a fresh one, the same on every resume.
+            set_seed(seed + 1_000_003 * progress.step + acc.process_index)
+            logger.warning("rank %d had no RNG state in %s; seeded from (seed, step, rank)",
+                           acc.process_index, checkpoint_dir)
+        progress.world_size = acc.num_processes
+        return progress

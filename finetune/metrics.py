@@ -64,6 +64,11 @@ class MetricsLog:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def truncate_after(self, step: int) -> None:
+        kept = [row for row in read_metrics(self.path) if row["step"] <= step]
+        if self.enabled:
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
 
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():

@@ -134,11 +134,13 @@ def train(cfg: TrainConfig) -> dict:
     metric = load_metric("perplexity", accelerator)
 
     checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.keep_last)
+    log = MetricsLog(run_dir / "metrics.jsonl", main)
     progress = TrainingProgress(world_size=accelerator.num_processes)
     if resume_from:
-        progress = checkpoints.load(resume_from)
+        progress = checkpoints.load(resume_from, model, cfg.seed)
+        if main:  # rows logged after that checkpoint belong to the lost part of the run
+            log.truncate_after(progress.step)
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
-    log = MetricsLog(run_dir / "metrics.jsonl", main)
     accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
                       f"{shards.total_params:,} parameters, per rank {shards.local_params_per_rank}; "
                       f"{len(blocks['train'])} train / {len(blocks['validation'])} validation blocks of {cfg.block_size}; "
@@ -161,9 +163,11 @@ def train(cfg: TrainConfig) -> dict:
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     loss = float("nan")
     while progress.step < total_steps:
-        train_loader.set_epoch(progress.epoch)
-        skip = progress.batches_in_epoch  # non-zero only right after a resume
+        # Non-zero only right after a resume; rounds down when the world size changed.
+        skip = progress.samples_in_epoch // global_batch
+        progress.samples_in_epoch = skip * global_batch
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        batches.set_epoch(progress.epoch)  # the order of an epoch depends on (seed, epoch) only
         for batch in batches:
             with accelerator.accumulate(model):
                 loss_t = next_token_nll(model(input_ids=batch["input_ids"]).logits, batch["input_ids"]).mean()
@@ -176,7 +180,6 @@ def train(cfg: TrainConfig) -> dict:
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-            progress.batches_in_epoch += 1
             progress.samples_in_epoch += global_batch
             if not accelerator.sync_gradients:
                 continue
@@ -203,7 +206,6 @@ def train(cfg: TrainConfig) -> dict:
                 break
         else:
             progress.epoch += 1
-            progress.batches_in_epoch = 0
             progress.samples_in_epoch = 0
     bar.close()
     train_time = time.perf_counter() - start

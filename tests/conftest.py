@@ -70,7 +70,11 @@ def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fs
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    if proc.returncode != 0:
+        causes = [line for line in proc.stderr.splitlines()
+                  if any(word in line for word in ("Error", "error:", "terminate", "what()", "abort"))]
+        raise AssertionError(f"exit {proc.returncode}\n--- causes\n" + "\n".join(causes[:40]) +
+                             f"\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-4000:]}")
 
 
 def read_jsonl(path: Path) -> list[dict]:

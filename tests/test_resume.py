@@ -1,0 +1,203 @@
+"""Sharded checkpoints and resume: exact continuation, resharding to another
+world size, a real SIGKILL, and clear errors for checkpoints that do not fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import CONFIGS, REPO, check_ok, free_port, run_cli, train_rows
+
+pytestmark = pytest.mark.slow
+
+
+def common_args(corpus: Path) -> list[str]:
+    return ["--model", "tiny-gpt2", "--dataset", str(corpus), "--block_size", "64", "--per_device_batch_size", "4",
+            "--sample_prompt", "", "--max_eval_batches", "1", "--learning_rate", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, env, small_corpus) -> Path:
+    """fp32, 2-process FSDP, 12 steps, a checkpoint every 6."""
+    run_dir = tmp_path_factory.mktemp("resume") / "full"
+    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
+                    "--output_dir", str(run_dir)], env, mixed_precision="no")
+    check_ok(proc)
+    return run_dir
+
+
+def interrupted_copy(source: Path, step: int, target: Path) -> Path:
+    """What a run stopped right after checkpointing at `step` leaves behind."""
+    (target / "checkpoints").mkdir(parents=True)
+    shutil.copy(source / "run_config.yaml", target)
+    shutil.copytree(source / "tokenizer", target / "tokenizer")
+    name = f"step_{step:06d}"
+    shutil.copytree(source / "checkpoints" / name, target / "checkpoints" / name)
+    return target
+
+
+def consolidated(shard_dir: Path, tmp: Path) -> dict:
+    out = tmp / f"{shard_dir.parent.parent.parent.name}-{shard_dir.name}.pt"
+    dcp_to_torch_save(shard_dir, out)
+    return torch.load(out, weights_only=True)
+
+
+def flatten(tree, prefix="") -> dict:
+    if isinstance(tree, (dict, list, tuple)):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        out = {}
+        for k, v in items:
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def test_checkpoint_layout(uninterrupted):
+    ckpt = uninterrupted / "checkpoints" / "step_000006"
+    progress = json.loads((ckpt / "training_progress.json").read_text())
+    assert progress["step"] == 6 and progress["epoch"] == 0 and progress["world_size"] == 2
+    assert progress["samples_in_epoch"] == 6 * 8
+    assert sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert len(list((ckpt / "optimizer_0").glob("*.distcp"))) == 2
+    assert (ckpt / "random_states_0.pkl").is_file() and (ckpt / "random_states_1.pkl").is_file()
+    assert (ckpt / "scheduler.bin").is_file() and (ckpt / "run_config.yaml").is_file()
+
+
+def test_resume_continues_exactly(uninterrupted, tmp_path, env):
+    run_dir = interrupted_copy(uninterrupted, 6, tmp_path / "resumed")
+    check_ok(run_cli(["resume", str(run_dir)], env, mixed_precision="no"))
+    full = {r["step"]: r for r in train_rows(uninterrupted)}
+    resumed = train_rows(run_dir)
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    for row in resumed:
+        assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-6), row["step"]
+        assert row["lr"] == pytest.approx(full[row["step"]]["lr"], rel=1e-12), row["step"]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resume_on_another_world_size(uninterrupted, tmp_path, env, small_corpus, world_size):
+    saved = uninterrupted / "checkpoints" / "step_000006"
+    # Load on `world_size` ranks and save straight away (max_steps 6: nothing to train).
+    run_dir = tmp_path / f"on{world_size}"
+    # 1 rank x 8 keeps the global batch of 2 x 4, so the losses can be compared too.
+    batch = ["--per_device_batch_size", "8"] if world_size == 1 else []
+    proc = run_cli(["train", *common_args(small_corpus), *batch, "--max_steps", "6", "--resume_from_checkpoint",
+                    str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no")
+    check_ok(proc)
+    assert f"checkpoint written by 2 rank(s), resuming on {world_size}" in proc.stdout
+    resaved = run_dir / "checkpoints" / "step_000006"
+    assert len(list((resaved / "pytorch_model_fsdp_0").glob("*.distcp"))) == world_size
+    for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
+        before = flatten(consolidated(saved / part, tmp_path))
+        after = flatten(consolidated(resaved / part, tmp_path))
+        assert before.keys() == after.keys()
+        for key in before:
+            if isinstance(before[key], torch.Tensor):
+                assert torch.equal(before[key], after[key]), key
+            else:
+                assert before[key] == after[key], key
+    assert any("exp_avg_sq" in k for k in before)
+
+    # ... and training goes on from step 7 with the uninterrupted run's LR.
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no"))
+    full = {r["step"]: r for r in train_rows(uninterrupted)}
+    resumed = train_rows(run_dir)
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    for row in resumed:
+        assert row["lr"] == pytest.approx(full[row["step"]]["lr"], rel=1e-12)
+        if world_size == 1:  # same global batch, same samples
+            assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-5)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == world_size and summary["distributed_type"] == "FSDP"
+
+
+def _launch_background(args: list[str], env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "-m", "finetune", *args]
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _rank_pids(launcher_pid: int) -> list[int]:
+    """Worker processes (python -m finetune) below the launcher."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in out:
+        pid, ppid, args = line.split(None, 2)
+        children.setdefault(int(ppid), []).append((int(pid), args))
+    found, todo = [], [launcher_pid]
+    while todo:
+        for pid, args in children.get(todo.pop(), []):
+            todo.append(pid)
+            if "-m finetune" in args and "accelerate" not in args:
+                found.append(pid)
+    return found
+
+
+def test_sigkill_of_a_rank_then_resume_latest(tmp_path, env, small_corpus):
+    run_dir = tmp_path / "crash"
+    args = ["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "4",
+            "--output_dir", str(run_dir)]
+    proc = _launch_background(args, env)
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / "checkpoints" / "step_000008").is_dir():
+            assert proc.poll() is None and time.time() < deadline, "run ended before its second checkpoint"
+            time.sleep(0.2)
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    complete = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert "step_000008" in complete and not (run_dir / "final").exists()
+    newest = int(complete[-1].split("_")[1])
+
+    # A save that died half-way leaves only a temp dir, which `latest` never picks.
+    half = run_dir / "checkpoints" / f".tmp-step_{newest + 4:06d}"
+    shutil.copytree(run_dir / "checkpoints" / complete[-1], half)
+    next(half.joinpath("pytorch_model_fsdp_0").glob("*.distcp")).write_bytes(b"")
+
+    resumed = run_cli(["train", *common_args(small_corpus), "--max_steps", str(newest + 2), "--checkpoint_every", "4",
+                       "--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"], env, mixed_precision="no")
+    check_ok(resumed)
+    assert f"resumed from {run_dir / 'checkpoints' / complete[-1]} at step {newest}" in resumed.stdout
+    steps = [r["step"] for r in train_rows(run_dir)]
+    assert steps == list(range(1, newest + 3)), "metrics must hold each step once"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == newest + 2
+
+
+def test_resuming_into_another_shape_names_both_shapes(uninterrupted, tmp_path, env, small_corpus):
+    saved = uninterrupted / "checkpoints" / "step_000006"
+    before = {p: p.stat().st_mtime_ns for p in saved.rglob("*")}
+    proc = run_cli(["train", *common_args(small_corpus), "--model", "small-gpt2", "--max_steps", "8",
+                    "--resume_from_checkpoint", str(saved), "--output_dir", str(tmp_path / "other")], env,
+                   mixed_precision="no")
+    assert proc.returncode != 0
+    first_error = next(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert "transformer.wte.weight is [2048, 64] in the checkpoint and [4096, 128] in the model" in first_error
+    assert {p: p.stat().st_mtime_ns for p in saved.rglob("*")} == before
+
+
+def test_truncated_shard_is_refused(uninterrupted, tmp_path, env, small_corpus):
+    run_dir = interrupted_copy(uninterrupted, 6, tmp_path / "damaged")
+    shard = run_dir / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run_cli(["resume", str(run_dir)], env, mixed_precision="no")
+    assert proc.returncode != 0
+    assert "__1_0.distcp is truncated" in proc.stderr
+    assert shard.stat().st_size == 1000 and not (run_dir / "final").exists()
