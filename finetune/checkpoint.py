@@ -24,6 +24,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 PROGRESS_FILE = "training_progress.json"
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_SHARDS_DIR = "optimizer_0"
+MODEL_CONFIG_DIR = "model_config"
 PREFIX = "step_"
 
 
@@ -133,11 +135,17 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every: int, keep_last: int):
+    """Saves every `every` steps (and at the end), keeps the newest `keep_last`.
+    `write_model_files(dir)` adds what an offline export needs besides the
+    weights (HF config, generation config, tokenizer) under `model_config/`."""
+
+    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every: int, keep_last: int,
+                 write_model_files: Callable[[Path], None]):
         self.accelerator = accelerator
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.keep_last = keep_last
+        self.write_model_files = write_model_files
 
     def maybe_save(self, progress: TrainingProgress, config_yaml: str, final: bool = False) -> Path | None:
         due = final or (self.every > 0 and progress.step % self.every == 0)
@@ -158,6 +166,7 @@ class CheckpointManager:
             progress.world_size = acc.num_processes
             (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
             (tmp / "run_config.yaml").write_text(config_yaml)
+            self.write_model_files(tmp / MODEL_CONFIG_DIR)
         acc.wait_for_everyone()  # every rank's shards are on disk
         if acc.is_main_process:
             os.replace(tmp, target)

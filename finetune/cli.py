@@ -2,6 +2,9 @@
 
     finetune train [OPTIONS]            (under accelerate launch, torchrun, or alone)
     finetune resume RUN_DIR [OPTIONS]   continue a run from its latest checkpoint
+    finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16]
+    finetune generate MODEL_DIR --prompt TEXT
+    finetune evaluate MODEL_DIR --dataset ID_OR_PATH
 
 Bad input raises `UsageError`: one line on stderr, exit code 2.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import sys
 from pathlib import Path
@@ -61,6 +65,38 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("run_dir", help="a run directory holding run_config.yaml and checkpoints/")
     _add_config_options(resume)
     resume.set_defaults(func=cmd_resume)
+
+    export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir (one process, CPU)")
+    export.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
+                        help="a checkpoints/step_NNNNNN dir, or a run dir (its newest complete checkpoint)")
+    export.add_argument("--output", required=True, metavar="DIR", help="the model dir to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the stored weights (default: 'float32')")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output (default: False)")
+    export.add_argument("--max_shard_size", default="2GB",
+                        help="split the weights into files of at most this size (default: '2GB')")
+    export.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                        help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune "
+                             "(default: the checkpoint's own model_config/)")
+    export.set_defaults(func=cmd_export)
+
+    generate = sub.add_parser("generate", help="generate text from a model dir")
+    generate.add_argument("model_dir", help="an exported model dir or a run's final/")
+    generate.add_argument("--prompt", required=True, help="text to continue")
+    generate.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate (default: 40)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    generate.set_defaults(func=cmd_generate)
+
+    evaluate = sub.add_parser("evaluate", help="perplexity of a model dir on a dataset")
+    evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
+    defaults = TrainConfig()
+    for name in ("dataset", "text_column", "block_size", "validation_split", "seed"):
+        evaluate.add_argument(f"--{name}", type=field_types()[name], default=getattr(defaults, name),
+                              help=f"as for train (default: {getattr(defaults, name)!r})")
+    evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
+                          help="which split to score (default: 'validation')")
+    evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="sequences per batch (default: 8)")
+    evaluate.set_defaults(func=cmd_evaluate)
     return parser
 
 
@@ -74,7 +110,7 @@ def is_rank_zero() -> bool:
 
 
 def _run(cfg: TrainConfig) -> int:
-    from finetune.generate import generate_text
+    from finetune.inference import generate_text
     from finetune.train import train
 
     summary = train(cfg)
@@ -100,6 +136,31 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UsageError("resume takes its config from RUN_DIR/run_config.yaml; pass changes as options, not --config")
     overrides = {**_overrides(args), "output_dir": args.run_dir, "resume_from_checkpoint": "latest"}
     return _run(load_config(run_config, overrides))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from finetune.export import export_checkpoint
+
+    out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
+                            max_shard_size=args.max_shard_size)
+    print(f"exported {args.source} -> {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from finetune.inference import generate_text
+
+    print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, args.seed))
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from finetune.inference import evaluate_model_dir
+
+    result = evaluate_model_dir(args.model_dir, args.dataset, args.text_column, args.split, args.block_size,
+                                args.per_device_batch_size, args.validation_split, args.seed)
+    print(json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from finetune import models
 from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_checkpoint
@@ -133,7 +133,14 @@ def train(cfg: TrainConfig) -> dict:
     shards = verify_sharded(model, accelerator)
     metric = load_metric("perplexity", accelerator)
 
-    checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.keep_last)
+    hf_config = accelerator.unwrap_model(model).config
+
+    def write_model_files(target: Path) -> None:
+        hf_config.save_pretrained(target)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+    checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.keep_last, write_model_files)
     log = MetricsLog(run_dir / "metrics.jsonl", main)
     progress = TrainingProgress(world_size=accelerator.num_processes)
     if resume_from:
@@ -217,8 +224,7 @@ def train(cfg: TrainConfig) -> dict:
     state_dict = accelerator.get_state_dict(model)
     final_dir = run_dir / "final"
     if main:
-        write_model_dir(state_dict, accelerator.unwrap_model(model).config, final_dir, tokenizer=tokenizer,
-                        overwrite=True)
+        write_model_dir(state_dict, hf_config, final_dir, tokenizer=tokenizer, overwrite=True)
     accelerator.wait_for_everyone()
 
     is_fsdp = accelerator.distributed_type == DistributedType.FSDP

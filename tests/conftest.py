@@ -87,3 +87,19 @@ def train_rows(run_dir: Path) -> list[dict]:
 
 def eval_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r]
+
+
+def common_args(corpus: Path) -> list[str]:
+    """tiny-gpt2 on the small corpus, quick evaluation, no sample."""
+    return ["--model", "tiny-gpt2", "--dataset", str(corpus), "--block_size", "64", "--per_device_batch_size", "4",
+            "--sample_prompt", "", "--max_eval_batches", "1", "--learning_rate", "3e-3"]
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(tmp_path_factory, env, small_corpus) -> Path:
+    """fp32, 2-process FSDP, 12 steps, a checkpoint every 6."""
+    run_dir = tmp_path_factory.mktemp("checkpointed") / "run"
+    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
+                    "--output_dir", str(run_dir)], env, mixed_precision="no")
+    check_ok(proc)
+    return run_dir

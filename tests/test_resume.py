@@ -16,24 +16,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import CONFIGS, REPO, check_ok, free_port, run_cli, train_rows
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, train_rows
 
 pytestmark = pytest.mark.slow
-
-
-def common_args(corpus: Path) -> list[str]:
-    return ["--model", "tiny-gpt2", "--dataset", str(corpus), "--block_size", "64", "--per_device_batch_size", "4",
-            "--sample_prompt", "", "--max_eval_batches", "1", "--learning_rate", "3e-3"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, env, small_corpus) -> Path:
-    """fp32, 2-process FSDP, 12 steps, a checkpoint every 6."""
-    run_dir = tmp_path_factory.mktemp("resume") / "full"
-    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
-                    "--output_dir", str(run_dir)], env, mixed_precision="no")
-    check_ok(proc)
-    return run_dir
 
 
 def interrupted_copy(source: Path, step: int, target: Path) -> Path:
@@ -62,8 +47,8 @@ def flatten(tree, prefix="") -> dict:
     return {prefix.rstrip("."): tree}
 
 
-def test_checkpoint_layout(uninterrupted):
-    ckpt = uninterrupted / "checkpoints" / "step_000006"
+def test_checkpoint_layout(checkpointed_run):
+    ckpt = checkpointed_run / "checkpoints" / "step_000006"
     progress = json.loads((ckpt / "training_progress.json").read_text())
     assert progress["step"] == 6 and progress["epoch"] == 0 and progress["world_size"] == 2
     assert progress["samples_in_epoch"] == 6 * 8
@@ -73,10 +58,10 @@ def test_checkpoint_layout(uninterrupted):
     assert (ckpt / "scheduler.bin").is_file() and (ckpt / "run_config.yaml").is_file()
 
 
-def test_resume_continues_exactly(uninterrupted, tmp_path, env):
-    run_dir = interrupted_copy(uninterrupted, 6, tmp_path / "resumed")
+def test_resume_continues_exactly(checkpointed_run, tmp_path, env):
+    run_dir = interrupted_copy(checkpointed_run, 6, tmp_path / "resumed")
     check_ok(run_cli(["resume", str(run_dir)], env, mixed_precision="no"))
-    full = {r["step"]: r for r in train_rows(uninterrupted)}
+    full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
     for row in resumed:
@@ -85,8 +70,8 @@ def test_resume_continues_exactly(uninterrupted, tmp_path, env):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_resume_on_another_world_size(uninterrupted, tmp_path, env, small_corpus, world_size):
-    saved = uninterrupted / "checkpoints" / "step_000006"
+def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_corpus, world_size):
+    saved = checkpointed_run / "checkpoints" / "step_000006"
     # Load on `world_size` ranks and save straight away (max_steps 6: nothing to train).
     run_dir = tmp_path / f"on{world_size}"
     # 1 rank x 8 keeps the global batch of 2 x 4, so the losses can be compared too.
@@ -108,9 +93,9 @@ def test_resume_on_another_world_size(uninterrupted, tmp_path, env, small_corpus
                 assert before[key] == after[key], key
     assert any("exp_avg_sq" in k for k in before)
 
-    # ... and training goes on from step 7 with the uninterrupted run's LR.
+    # ... and training goes on from step 7 with the checkpointed_run run's LR.
     check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no"))
-    full = {r["step"]: r for r in train_rows(uninterrupted)}
+    full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
     for row in resumed:
@@ -181,8 +166,8 @@ def test_sigkill_of_a_rank_then_resume_latest(tmp_path, env, small_corpus):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == newest + 2
 
 
-def test_resuming_into_another_shape_names_both_shapes(uninterrupted, tmp_path, env, small_corpus):
-    saved = uninterrupted / "checkpoints" / "step_000006"
+def test_resuming_into_another_shape_names_both_shapes(checkpointed_run, tmp_path, env, small_corpus):
+    saved = checkpointed_run / "checkpoints" / "step_000006"
     before = {p: p.stat().st_mtime_ns for p in saved.rglob("*")}
     proc = run_cli(["train", *common_args(small_corpus), "--model", "small-gpt2", "--max_steps", "8",
                     "--resume_from_checkpoint", str(saved), "--output_dir", str(tmp_path / "other")], env,
@@ -193,8 +178,8 @@ def test_resuming_into_another_shape_names_both_shapes(uninterrupted, tmp_path, 
     assert {p: p.stat().st_mtime_ns for p in saved.rglob("*")} == before
 
 
-def test_truncated_shard_is_refused(uninterrupted, tmp_path, env, small_corpus):
-    run_dir = interrupted_copy(uninterrupted, 6, tmp_path / "damaged")
+def test_truncated_shard_is_refused(checkpointed_run, tmp_path, env, small_corpus):
+    run_dir = interrupted_copy(checkpointed_run, 6, tmp_path / "damaged")
     shard = run_dir / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = run_cli(["resume", str(run_dir)], env, mixed_precision="no")

@@ -1,0 +1,146 @@
+"""`finetune export`, `generate` and `evaluate` on real checkpoints, in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+
+from conftest import REPO, check_ok, common_args, eval_rows, run_cli, train_rows
+
+pytestmark = pytest.mark.slow
+
+
+def finetune(*args, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def logits(model, vocab: int) -> torch.Tensor:
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+@pytest.fixture(scope="module")
+def exported(checkpointed_run, tmp_path_factory, env) -> Path:
+    out = tmp_path_factory.mktemp("export") / "step6"
+    check_ok(finetune("export", checkpointed_run / "checkpoints" / "step_000006", "--output", out, env=env))
+    return out
+
+
+def test_export_equals_the_checkpointed_state_and_stays_tied(exported, checkpointed_run, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    dcp_to_torch_save(checkpointed_run / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0", tmp_path / "s.pt")
+    reference = GPT2LMHeadModel(AutoConfig.from_pretrained(exported))
+    reference.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True)["model"])
+    assert torch.equal(logits(model, model.config.vocab_size), logits(reference, model.config.vocab_size))
+    for name in ["config.json", "generation_config.json", "tokenizer.json", "model.safetensors"]:
+        assert (exported / name).is_file()
+
+
+def test_export_of_a_run_dir_takes_the_newest_checkpoint_and_matches_final(checkpointed_run, tmp_path, env):
+    check_ok(finetune("export", checkpointed_run, "--output", tmp_path / "latest", env=env))
+    ours = load_file(tmp_path / "latest" / "model.safetensors")
+    final = load_file(checkpointed_run / "final" / "model.safetensors")
+    assert ours.keys() == final.keys()
+    for name in ours:  # step 12 consolidated offline == consolidated by the 2 ranks at the end
+        assert torch.equal(ours[name], final[name]), name
+
+
+def test_export_agrees_with_accelerate_merge_weights(checkpointed_run, exported, tmp_path, env):
+    shards = checkpointed_run / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights", str(shards),
+                           str(tmp_path / "merged")], capture_output=True, text=True, env=env, timeout=300)
+    check_ok(proc)
+    theirs = load_file(tmp_path / "merged" / "model.safetensors")
+    ours = load_file(exported / "model.safetensors")
+    assert set(theirs) - set(ours) <= {"lm_head.weight"}  # we store the tied weight once
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_bf16_export_is_half_the_size_and_close(checkpointed_run, exported, tmp_path, env):
+    check_ok(finetune("export", checkpointed_run / "checkpoints" / "step_000006", "--output", tmp_path / "bf16",
+                      "--dtype", "bfloat16", env=env))
+    ratio = (tmp_path / "bf16" / "model.safetensors").stat().st_size / (exported / "model.safetensors").stat().st_size
+    assert 0.45 < ratio < 0.55
+    fp32 = AutoModelForCausalLM.from_pretrained(exported)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    a, b = logits(fp32, fp32.config.vocab_size), logits(bf16, fp32.config.vocab_size)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_fine_tuning_from_an_export_starts_at_its_loss(checkpointed_run, tmp_path, env, small_corpus):
+    """The export of step 12 scores the validation split as the run did at its end."""
+    check_ok(finetune("export", checkpointed_run, "--output", tmp_path / "model", env=env))
+    args = [a for a in common_args(small_corpus)]
+    args[args.index("--model") + 1] = str(tmp_path / "model")
+    check_ok(run_cli(["train", *args, "--max_steps", "2", "--output_dir", str(tmp_path / "second")], env,
+                     mixed_precision="no"))
+    end_of_first = eval_rows(checkpointed_run)[-1]
+    start_of_second = eval_rows(tmp_path / "second")[0]
+    assert start_of_second["step"] == 0 and end_of_first["step"] == 12
+    assert start_of_second["eval_loss"] == pytest.approx(end_of_first["eval_loss"], abs=1e-5)
+    assert len(train_rows(tmp_path / "second")) == 2
+
+
+def test_generate_and_evaluate_use_the_export(exported, env, small_corpus):
+    gen = finetune("generate", exported, "--prompt", "Return the", "--max_new_tokens", "5", env=env)
+    check_ok(gen)
+    assert gen.stdout.startswith("Return the")
+    ev = finetune("evaluate", exported, "--dataset", small_corpus, "--block_size", "64", env=env)
+    check_ok(ev)
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert 1 < result["perplexity"] < 2048 * 2
+
+
+def _bad(tmp_path: Path, checkpointed_run: Path, case: str) -> tuple[list, Path]:
+    source = checkpointed_run / "checkpoints" / "step_000006"
+    if case == "no checkpoint":
+        (tmp_path / "empty").mkdir()
+        return [tmp_path / "empty", "--output", tmp_path / "out"], tmp_path / "out"
+    if case in ("missing shard", "truncated shard"):
+        import shutil
+
+        broken = tmp_path / "broken"
+        shutil.copytree(source, broken)
+        shard = broken / "pytorch_model_fsdp_0" / "__1_0.distcp"
+        shard.unlink() if case == "missing shard" else shard.write_bytes(shard.read_bytes()[:100])
+        return [broken, "--output", tmp_path / "out"], tmp_path / "out"
+    if case == "non-empty output":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "mine.txt").write_text("keep")
+        return [source, "--output", tmp_path / "out"], tmp_path / "out"
+    if case == "unwritable output":
+        (tmp_path / "afile").write_text("x")
+        return [source, "--output", tmp_path / "afile" / "out"], tmp_path / "afile"
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no checkpoint", "holds no checkpoint"),
+    ("missing shard", "__1_0.distcp is missing"),
+    ("truncated shard", "__1_0.distcp is truncated"),
+    ("non-empty output", "exists and is not empty; pass --overwrite"),
+    ("unwritable output", "is not a writable directory"),
+])
+def test_bad_export_input_is_one_line_and_leaves_the_output_alone(checkpointed_run, tmp_path, env, case, message):
+    args, target = _bad(tmp_path, checkpointed_run, case)
+    before = sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in [target, *target.rglob("*")]
+                    if p.exists())
+    proc = finetune("export", *args, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+    after = sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in [target, *target.rglob("*")]
+                   if p.exists())
+    assert before == after
+    assert not list(tmp_path.glob(".*.tmp-*"))
