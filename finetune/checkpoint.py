@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -155,6 +156,7 @@ class CheckpointManager:
 
     def save(self, progress: TrainingProgress, config_yaml: str) -> Path:
         acc = self.accelerator
+        start = time.perf_counter()
         target = self.root / checkpoint_name(progress.step)
         tmp = self.root / f".tmp-{target.name}"
         if acc.is_main_process:
@@ -172,6 +174,7 @@ class CheckpointManager:
             os.replace(tmp, target)
             self._prune()
         acc.wait_for_everyone()
+        acc.print(f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
 
     def _prune(self) -> None:
@@ -185,7 +188,9 @@ class CheckpointManager:
         check_compatible(checkpoint_dir, model)
         acc = self.accelerator
         progress = read_progress(checkpoint_dir)
+        start = time.perf_counter()
         acc.load_state(str(checkpoint_dir))
+        acc.print(f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:
             acc.print(f"checkpoint written by {progress.world_size} rank(s), resuming on {acc.num_processes}: "
                       "model and optimizer resharded; step, LR schedule and epoch carry over; the data position "

@@ -144,3 +144,18 @@ def test_bad_export_input_is_one_line_and_leaves_the_output_alone(checkpointed_r
                    if p.exists())
     assert before == after
     assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_plain_accelerate_checkpoint_exports_with_model(checkpointed_run, exported, tmp_path, env):
+    """Our checkpoint minus our own files is exactly what accelerator.save_state writes."""
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(checkpointed_run / "checkpoints" / "step_000006", plain,
+                    ignore=shutil.ignore_patterns("training_progress.json", "run_config.yaml", "model_config"))
+    refused = finetune("export", plain, "--output", tmp_path / "out", env=env)
+    assert refused.returncode == 2 and "pass --model" in refused.stderr
+    check_ok(finetune("export", plain, "--output", tmp_path / "out", "--model", checkpointed_run / "final", env=env))
+    ours, plain_export = load_file(exported / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert ours.keys() == plain_export.keys()
+    assert all(torch.equal(ours[k], plain_export[k]) for k in ours)

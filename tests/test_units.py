@@ -76,6 +76,7 @@ def test_train_help_lists_every_option_with_its_default():
     (["train", "--dataset", "/no/such/file.txt", "--output_dir", "{tmp}/run"], "--dataset /no/such/file.txt does not exist"),
     (["train", "--learning_rate", "-1"], "--learning_rate must be a positive number"),
     (["resume", "{tmp}"], "is not a run directory"),
+    (["train", "--resume_from_checkpoint", "latest", "--output_dir", "{tmp}/run"], "no complete checkpoint under"),
 ])
 def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, args, message):
     proc = _cli(*[a.format(tmp=tmp_path) for a in args])
