@@ -62,13 +62,13 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
 
     duplicates = tied_duplicates(config)
     tensors = {}
-    for name, tensor in state_dict.items():
+    for name in list(state_dict):
         if name in duplicates and duplicates[name] in state_dict:
             continue  # stored once, under the name the model ties it to
-        tensor = tensor.detach().to("cpu")
+        tensor = state_dict[name].detach().to("cpu")
         if tensor.is_floating_point():
             tensor = tensor.to(torch_dtype)
-        tensors[name] = tensor.contiguous().clone()
+        tensors[name] = tensor.contiguous()  # no copy when already fp32, contiguous and on CPU
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
