@@ -7,6 +7,7 @@ file never branches on them.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -95,6 +97,16 @@ def to_float(t: torch.Tensor) -> float:
 def train(cfg: TrainConfig) -> dict:
     check_run_dir(cfg)
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+    summary = _train(cfg, accelerator)
+    # Free the wrapped model while the process group is alive: a DDP reducer
+    # destroyed after its gloo group hangs in the group's destructor.
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
+    return summary
+
+
+def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     main = accelerator.is_main_process
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
@@ -168,7 +180,7 @@ def train(cfg: TrainConfig) -> dict:
     start = time.perf_counter()
     step_start = start
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-    loss = float("nan")
+    loss = None  # stays None when a resume has no step left to run
     while progress.step < total_steps:
         # Non-zero only right after a resume; rounds down when the world size changed.
         skip = progress.samples_in_epoch // global_batch
@@ -249,5 +261,4 @@ def train(cfg: TrainConfig) -> dict:
     if main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    accelerator.end_training()
     return summary

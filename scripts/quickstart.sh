@@ -23,7 +23,7 @@ fi
 run_dir="outputs/quickstart-$(date +%Y%m%d-%H%M%S)"
 accelerate launch "${launch[@]}" -m finetune train \
     --model small-gpt2 --dataset builtin \
-    --max_steps 200 --learning_rate 3e-3 --per_device_batch_size 8 --block_size 128 \
-    --eval_every 50 --checkpoint_every 100 --keep_last 2 \
+    --max_steps 150 --learning_rate 3e-3 --per_device_batch_size 8 --block_size 128 \
+    --eval_every 50 --checkpoint_every 75 --keep_last 2 \
     --sample_prompt "Return the" \
     --output_dir "$run_dir" "$@"
