@@ -121,10 +121,22 @@ def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
                      "resume from another checkpoint")
 
 
+# Wrappers that appear in live parameter names but not in saved state dicts
+# (activation checkpointing, FSDP1, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def saved_name(param_name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        param_name = param_name.replace(prefix, "")
+    return param_name
+
+
 def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
     """The checkpoint was written for this architecture and size."""
     stored = saved_shapes(checkpoint_dir)
-    for name, param in model.named_parameters():
+    for live_name, param in model.named_parameters():
+        name = saved_name(live_name)
         if name not in stored:
             raise UsageError(f"checkpoint {checkpoint_dir} has no parameter {name}: it was written for another "
                              "architecture; resume with the run's own --model")
@@ -185,8 +197,8 @@ class CheckpointManager:
             shutil.rmtree(old)
 
     def load(self, checkpoint_dir: Path, model: torch.nn.Module, seed: int) -> TrainingProgress:
-        check_compatible(checkpoint_dir, model)
         acc = self.accelerator
+        check_compatible(checkpoint_dir, acc.unwrap_model(model))
         progress = read_progress(checkpoint_dir)
         start = time.perf_counter()
         acc.load_state(str(checkpoint_dir))

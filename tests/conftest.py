@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 CONFIGS = REPO / "accelerate_configs"
 
 
@@ -67,6 +68,20 @@ def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fs
         cmd += ["-m", "finetune", *args]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     return proc
+
+
+def run_in_process(*args) -> subprocess.CompletedProcess:
+    """`finetune ARGS` through the same `main` the console script calls, in this
+    process (no interpreter start-up): for the single-process commands."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from finetune.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

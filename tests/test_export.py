@@ -13,14 +13,13 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
 
-from conftest import REPO, check_ok, common_args, eval_rows, run_cli, train_rows
+from conftest import check_ok, common_args, eval_rows, run_cli, run_in_process, train_rows
 
 pytestmark = pytest.mark.slow
 
 
-def finetune(*args, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=300)
+def finetune(*args, env=None) -> subprocess.CompletedProcess:
+    return run_in_process(*args)
 
 
 def logits(model, vocab: int) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""Every accelerate config: what the CPU can run trains, checkpoints, resumes and
+exports with the expected sharding; what it cannot is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
+
+pytestmark = pytest.mark.slow
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("config, nproc, expected_type, sharded", [
+    ("fsdp_shard_grad_op.yaml", 2, "FSDP", True),
+    ("fsdp_activation_checkpointing.yaml", 2, "FSDP", True),
+    ("ddp.yaml", 2, "MULTI_CPU", False),
+    ("single.yaml", 1, "NO", False),
+])
+def test_config_trains_checkpoints_resumes_and_exports(config, nproc, expected_type, sharded, checkpointed_run,
+                                                       tmp_path, env, small_corpus):
+    run_dir = tmp_path / "run"
+    # single.yaml runs 1 x 8 sequences: the same global batch as 2 x 4.
+    args = common_args(small_corpus) + (["--per_device_batch_size", "8"] if nproc == 1 else [])
+    check_ok(run_cli(["train", *args, "--max_steps", "2", "--checkpoint_every", "2", "--output_dir", str(run_dir)],
+                     env, nproc=nproc, config=config, mixed_precision="no"))
+    assert (run_dir / "checkpoints" / "step_000002").is_dir()
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "3"], env, nproc=nproc, config=config,
+                     mixed_precision="no"))
+
+    facts = summary(run_dir)
+    assert facts["distributed_type"] == expected_type and facts["world_size"] == nproc
+    total, local = facts["total_params"], facts["local_params_per_rank"]
+    if sharded:
+        assert sum(local) == total and all(abs(n - total / nproc) <= 0.01 * total for n in local)
+        shards = run_dir / "checkpoints" / "step_000003" / "pytorch_model_fsdp_0"
+        assert len(list(shards.glob("*.distcp"))) == nproc
+    else:
+        assert local == [total] * nproc  # full replicas
+
+    # The losses of steps 1-3 only depend on the LRs of steps 1-2, which are the
+    # same for 3 and 12 steps: every config must match the 12-step FSDP run.
+    reference = {r["step"]: r["loss"] for r in train_rows(checkpointed_run)}
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["loss"] == pytest.approx(reference[row["step"]], abs=1e-5), (config, row["step"])
+
+    out = tmp_path / "exported"
+    check_ok(run_in_process("export", run_dir, "--output", out))
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() == total
+
+
+def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_corpus):
+    """Larger activations (16 x 256 tokens per rank, 4 layers), so that the
+    difference shows in each rank's peak resident memory."""
+    args = ["--model", "small-gpt2", "--dataset", str(small_corpus), "--block_size", "256",
+            "--per_device_batch_size", "16", "--max_steps", "2", "--sample_prompt", "", "--max_eval_batches", "1"]
+    runs = {}
+    for config in ("fsdp.yaml", "fsdp_activation_checkpointing.yaml"):
+        runs[config] = tmp_path / config
+        check_ok(run_cli(["train", *args, "--output_dir", str(runs[config])], env, config=config,
+                         mixed_precision="no"))
+    plain, checkpointed = (train_rows(runs[c]) for c in runs)
+    assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    plain_peak = summary(runs["fsdp.yaml"])["peak_memory_bytes_per_rank"]
+    ac_peak = summary(runs["fsdp_activation_checkpointing.yaml"])["peak_memory_bytes_per_rank"]
+    assert max(ac_peak) < min(plain_peak), (ac_peak, plain_peak)
+
+
+@pytest.mark.parametrize("config, option", [
+    ("fsdp1.yaml", "fsdp_version: 1 (FSDP1) needs a GPU"),
+    ("fsdp_offload.yaml", "fsdp_offload_params: true (CPU offload) needs a GPU"),
+])
+def test_gpu_only_configs_are_refused_on_cpu(config, option, tmp_path, env):
+    """The settings `accelerate launch --config_file CONFIG` puts in each rank's
+    environment, given to one unlaunched process: exit code 2 and one line."""
+    run_dir = tmp_path / "run"
+    launched_env = {**env, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1" if "fsdp1" in config else "2",
+                    "FSDP_OFFLOAD_PARAMS": "true" if "offload" in config else "false"}
+    alone = subprocess.run([sys.executable, "-m", "finetune", "train", "--output_dir", str(run_dir)],
+                           capture_output=True, text=True, env=launched_env, cwd=REPO, timeout=120)
+    assert alone.returncode == 2, alone.stderr
+    lines = alone.stderr.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0] and "accelerate_configs/fsdp.yaml" in lines[0], alone.stderr
+    assert not run_dir.exists()
+
+
+def test_gpu_only_config_under_accelerate_launch(tmp_path, env, small_corpus):
+    """Launched for real: each rank stops with the same line before writing
+    anything. (The launcher itself then reports the failed ranks, exit 1.)"""
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)], env,
+                   config="fsdp_offload.yaml")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "fsdp_offload_params: true (CPU offload) needs a GPU" in errors[0], proc.stderr[-2000:]
+    assert not run_dir.exists()
+
+
+def test_multinode_on_one_machine(tmp_path, env, small_corpus):
+    """Two `accelerate launch` commands, machine ranks 0 and 1, one process each:
+    one FSDP job whose shards are split across the two "machines"."""
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    procs = []
+    for machine_rank in ("0", "1"):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multinode.yaml"),
+               "--num_machines", "2", "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1",
+               "--main_process_port", port, "--num_processes", "2", "--mixed_precision", "no",
+               "-m", "finetune", "train", *common_args(small_corpus), "--max_steps", "3",
+               "--output_dir", str(run_dir)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    facts = summary(run_dir)
+    assert facts["distributed_type"] == "FSDP" and facts["world_size"] == 2
+    assert sum(facts["local_params_per_rank"]) == facts["total_params"]
+    assert all(n < facts["total_params"] for n in facts["local_params_per_rank"])
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_000003" / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one per machine
