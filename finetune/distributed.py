@@ -123,13 +123,16 @@ def _local_numel(param: torch.Tensor) -> int:
     return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
 
 
+def gather_ints(accelerator: Accelerator, value: int) -> list[int]:
+    """One integer from every rank, in rank order."""
+    return [int(n) for n in accelerator.gather(torch.tensor([value], dtype=torch.long, device=accelerator.device)).tolist()]
+
+
 def shard_report(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
     """Count this rank's share of the parameters and gather everyone's."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
-    local = sum(_local_numel(p) for p in params)
-    per_rank = accelerator.gather(torch.tensor([local], dtype=torch.long, device=accelerator.device))
-    return ShardReport(total_params=total, local_params_per_rank=[int(n) for n in per_rank.tolist()])
+    return ShardReport(total_params=total, local_params_per_rank=gather_ints(accelerator, sum(_local_numel(p) for p in params)))
 
 
 def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
@@ -145,6 +148,23 @@ def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardRep
         raise RuntimeError(f"FSDP shards do not partition the model: per-rank {report.local_params_per_rank}, "
                            f"total {report.total_params}")
     return report
+
+
+def _local_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def persistent_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state
+    (measure after optimizer.step, before the gradients are freed)."""
+    params = list(model.parameters())
+    optimizer_bytes = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"params": sum(_local_bytes(p) for p in params), "grads": sum(_local_bytes(p.grad) for p in params),
+            "optimizer": optimizer_bytes}
 
 
 def peak_memory_bytes(accelerator: Accelerator) -> int:

@@ -27,7 +27,8 @@ from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_che
 from finetune.config import TrainConfig
 from finetune.data.text import load_raw_text, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
-from finetune.distributed import build_accelerator, peak_memory_bytes, slow_bf16_warning, verify_sharded
+from finetune.distributed import (build_accelerator, gather_ints, peak_memory_bytes, persistent_state_bytes,
+                                  slow_bf16_warning, verify_sharded)
 from finetune.errors import UsageError
 from finetune.export import write_model_dir
 from finetune.metrics import MetricsLog, evaluate_perplexity, load_metric, next_token_nll, plot_loss
@@ -181,6 +182,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     step_start = start
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     loss = None  # stays None when a resume has no step left to run
+    state_bytes = None  # measured once, after the first optimizer step
     while progress.step < total_steps:
         # Non-zero only right after a resume; rounds down when the world size changed.
         skip = progress.samples_in_epoch // global_batch
@@ -197,6 +199,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
                     grad_norm = to_float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
                     lr = scheduler.get_last_lr()[0]
                     optimizer.step()
+                    if state_bytes is None:
+                        state_bytes = persistent_state_bytes(model, optimizer)
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             progress.samples_in_epoch += global_batch
@@ -249,8 +253,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "total_params": shards.total_params,
         "local_params_per_rank": shards.local_params_per_rank,
-        "peak_memory_bytes_per_rank": [int(b) for b in accelerator.gather(
-            torch.tensor([peak_memory_bytes(accelerator)], device=accelerator.device)).tolist()],
+        "peak_memory_bytes_per_rank": gather_ints(accelerator, peak_memory_bytes(accelerator)),
+        "state_bytes_per_rank": gather_ints(accelerator, sum(state_bytes.values()) if state_bytes else 0),
         "train_time_s": train_time,
         "steps": progress.step,
         "final_loss": loss,

@@ -45,6 +45,7 @@ def test_config_trains_checkpoints_resumes_and_exports(config, nproc, expected_t
         assert len(list(shards.glob("*.distcp"))) == nproc
     else:
         assert local == [total] * nproc  # full replicas
+    assert facts["state_bytes_per_rank"] == [16 * n for n in local]  # fp32 params, grads, AdamW moments
 
     # The losses of steps 1-3 only depend on the LRs of steps 1-2, which are the
     # same for 3 and 12 steps: every config must match the 12-step FSDP run.

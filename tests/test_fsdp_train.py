@@ -81,6 +81,8 @@ def test_summary_reports_real_fsdp_shards(fsdp_run):
         assert abs(n - total / 2) <= 0.01 * total, local
     assert summary["steps"] == 20
     assert len(summary["peak_memory_bytes_per_rank"]) == 2
+    # fp32 params, grads and both AdamW moments of the local shard only, even under bf16.
+    assert summary["state_bytes_per_rank"] == [16 * n for n in local]
 
 
 def test_checkpoint_holds_one_shard_file_per_rank_matching_summary(fsdp_run):
