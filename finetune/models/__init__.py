@@ -49,7 +49,3 @@ def load_pretrained(name_or_path: str, trust_remote_code: bool = False) -> PreTr
         raise UsageError(f"could not load --model {name_or_path} ({first_line}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({', '.join(GPT2_PRESETS)})") from None
 
-
-def transformer_block_names(model: PreTrainedModel) -> list[str]:
-    """The classes FSDP wraps as units (TRANSFORMER_BASED_WRAP): the model's `_no_split_modules`."""
-    return list(getattr(model, "_no_split_modules", None) or [])
