@@ -5,6 +5,7 @@
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16]
     finetune generate MODEL_DIR --prompt TEXT
     finetune evaluate MODEL_DIR --dataset ID_OR_PATH
+    finetune estimate-memory --model NAME_OR_PATH --num_processes N
 
 Bad input raises `UsageError`: one line on stderr, exit code 2.
 """
@@ -97,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
                           help="which split to score (default: 'validation')")
     evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="sequences per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate)
+
+    memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
+    memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
+    memory.add_argument("--num_processes", type=int, default=None, help="ranks (default: the accelerate config's, else 2)")
+    memory.add_argument("--accelerate_config", default=None, metavar="FILE",
+                        help="take mixed precision and processes from this config and mark its strategy (default: None)")
+    memory.add_argument("--per_device_batch_size", type=int, default=8, help="sequences per device (default: 8)")
+    memory.add_argument("--block_size", type=int, default=128, help="tokens per sequence (default: 128)")
+    memory.add_argument("--mixed_precision", choices=["bf16", "no"], default=None,
+                        help="compute dtype (default: the accelerate config's, else bf16)")
+    memory.add_argument("--device_memory", default=None, metavar="BYTES|NGB|NGiB",
+                        help="say which strategies fit in this much memory per device (default: None)")
+    memory.set_defaults(func=cmd_estimate_memory)
     return parser
 
 
@@ -160,6 +174,56 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_model_dir(args.model_dir, args.dataset, args.text_column, args.split, args.block_size,
                                 args.per_device_batch_size, args.validation_split, args.seed)
     print(json.dumps(result))
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            try:
+                return int(float(lowered[: -len(suffix)]) * factor)
+            except ValueError:
+                break
+    try:
+        return int(float(lowered))
+    except ValueError:
+        raise UsageError(f"--device_memory {text!r} is not a size; write e.g. 80GB, 80GiB or 85899345920") from None
+
+
+def cmd_estimate_memory(args: argparse.Namespace) -> int:
+    import yaml
+
+    from finetune.memory import estimate, model_shape, render
+
+    launch: dict = {}
+    if args.accelerate_config:
+        try:
+            launch = yaml.safe_load(Path(args.accelerate_config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise UsageError(f"cannot read --accelerate_config {args.accelerate_config} ({e}); pass a YAML file") from None
+    num_processes = args.num_processes or int(launch.get("num_processes", 2))
+    mixed_precision = args.mixed_precision or ("no" if launch.get("mixed_precision") == "no" else "bf16")
+    if num_processes < 1 or args.per_device_batch_size < 1 or args.block_size < 1:
+        raise UsageError("--num_processes, --per_device_batch_size and --block_size must be >= 1")
+    shape = model_shape(args.model)
+    estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision)
+    device_memory = _parse_bytes(args.device_memory) if args.device_memory else None
+    print(render(shape, estimates, num_processes, device_memory))
+    if launch:
+        fsdp = launch.get("fsdp_config", {}) or {}
+        if launch.get("distributed_type") != "FSDP":
+            yours = "DDP"
+        elif fsdp.get("fsdp_offload_params"):
+            yours = "FSDP + CPU offload (state in CPU RAM)"
+        elif fsdp.get("fsdp_activation_checkpointing"):
+            yours = "FSDP + activation checkpointing"
+        elif fsdp.get("fsdp_reshard_after_forward") is False:
+            yours = "FSDP SHARD_GRAD_OP"
+        else:
+            yours = "FSDP full shard"
+        print(f"\n{args.accelerate_config} runs: {yours}")
     return 0
 
 

@@ -104,6 +104,20 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
             assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-5)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == world_size and summary["distributed_type"] == "FSDP"
+    assert max(summary["state_bytes_per_rank"]) == pytest.approx(predicted_fsdp_state(world_size), rel=0.10)
+
+
+def predicted_fsdp_state(world_size: int) -> int:
+    """`finetune estimate-memory`'s per-rank state for tiny-gpt2 under FSDP full shard."""
+    from finetune.memory import estimate, model_shape
+
+    rows = estimate(model_shape("tiny-gpt2"), world_size, batch=4, block_size=64, mixed_precision="no")
+    return next(e for e in rows if e.strategy == "FSDP full shard").state
+
+
+def test_memory_estimate_matches_the_measured_state_at_2_ranks(checkpointed_run):
+    summary = json.loads((checkpointed_run / "summary.json").read_text())
+    assert max(summary["state_bytes_per_rank"]) == pytest.approx(predicted_fsdp_state(2), rel=0.10)
 
 
 def _launch_background(args: list[str], env: dict) -> subprocess.Popen:

@@ -211,3 +211,17 @@ def test_bf16_model_dir_is_half_the_size(tmp_path):
 
 def test_config_defaults_are_valid():
     TrainConfig().validate()
+
+
+def test_estimate_memory_says_what_fits(capsys):
+    from finetune.cli import main
+
+    assert main(["estimate-memory", "--model", "gpt2-small", "--num_processes", "4", "--device_memory", "1.5GB",
+                 "--accelerate_config", str(REPO / "accelerate_configs" / "fsdp_shard_grad_op.yaml")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+    # 124,439,808 params: DDP holds 16 bytes each on every device, 4-way FSDP a quarter of that.
+    assert "| 497,759,232 | 497,759,232 | 995,518,464 |" in rows["DDP"]
+    assert "| 124,439,808 | 124,439,808 | 248,879,616 |" in rows["FSDP full shard"]
+    assert rows["DDP"].rstrip().endswith("| no |") and rows["FSDP full shard"].rstrip().endswith("| yes |")
+    assert "runs: FSDP SHARD_GRAD_OP" in out

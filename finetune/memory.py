@@ -1,0 +1,114 @@
+"""Per-device memory before launching: what parameters, gradients, AdamW state,
+gathered FSDP units and activations will take under each strategy.
+
+Persistent state with AdamW and fp32 master weights is 16 bytes per parameter
+(4 weights + 4 gradients + 8 moments). DDP keeps all of it on every device;
+FSDP keeps 1/N of it and, while a unit computes, a gathered copy of that unit in
+the compute dtype (two units with prefetch). SHARD_GRAD_OP keeps every unit
+gathered from forward to backward. Offload moves the persistent state to CPU
+memory. Activations follow the usual transformer estimate (Korthikanti et al.
+2022, with memory-efficient attention): about 34 * hidden bytes per token and
+layer in 16-bit, doubled in fp32, plus the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+from finetune import models
+from finetune.errors import UsageError
+
+GIB = 1024**3
+
+
+@dataclass
+class ModelShape:
+    params: int
+    largest_unit: int   # parameters of the largest FSDP unit (a block, or what the root keeps)
+    layers: int
+    hidden: int
+    vocab: int
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """Counts parameters on the meta device: nothing is allocated or downloaded but the config."""
+    if models.is_preset(name_or_path):
+        config = GPT2Config(**models.GPT2_PRESETS[name_or_path])
+    else:
+        try:
+            config = AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
+                             "pass a preset, a local HF model dir or a reachable Hub id") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    unique = {id(p): p for p in model.parameters()}
+    root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
+    block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
+                      layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
+                      vocab=config.vocab_size)
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.activations
+
+
+def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,
+                     checkpointing: bool = False) -> int:
+    tokens = batch * block_size
+    per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
+    layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
+    logits = tokens * shape.vocab * (compute_bytes + 4 + 4)  # logits, fp32 copy, its gradient
+    return layers + logits
+
+
+def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
+             mixed_precision: str = "bf16") -> list[Estimate]:
+    n = num_processes
+    compute = 2 if mixed_precision == "bf16" else 4
+    p = shape.params
+    acts = activation_bytes(shape, batch, block_size, compute)
+    # Gathered copies: two units (the current one and the prefetched next one).
+    gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
+    shard = -(-p // n)  # ceil: FSDP pads the last shard
+    return [
+        Estimate("DDP", 4 * p, 4 * p, 8 * p, p * 2 if mixed_precision == "bf16" else 0, acts),
+        Estimate("FSDP full shard", 4 * shard, 4 * shard, 8 * shard, gather_units, acts),
+        Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * shard, 8 * shard, p * compute if n > 1 else 0, acts),
+        Estimate("FSDP + activation checkpointing", 4 * shard, 4 * shard, 8 * shard, gather_units,
+                 activation_bytes(shape, batch, block_size, compute, checkpointing=True)),
+        Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
+    ]
+
+
+def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None) -> str:
+    lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32); largest FSDP unit "
+             f"{shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
+             "| strategy | params | grads | AdamW state | gathered units | activations | total | fits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in estimates:
+        fits = "-" if device_memory is None else ("yes" if e.total <= device_memory else "no")
+        lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
+                     f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {fits} |")
+    return "\n".join(lines)
