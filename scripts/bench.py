@@ -3,12 +3,19 @@ so the figures compare like with like. Results go to outputs/bench/ as a
 markdown table and JSON.
 
     python scripts/bench.py --suite configs [--model small-gpt2] [--steps 12] [--mixed_precision no]
+    python scripts/bench.py --suite baselines [--model tiny-gpt2]
+    python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 Suite `configs`: each CPU-capable accelerate config trains the same model on the
 same blocks; reported per config: median step time (after 2 warm-up steps), its
 ratio to DDP, per-rank peak memory (resident set on CPU, max_memory_allocated on
 GPU) and per-rank persistent state (parameters + gradients + optimizer state,
 measured after the first optimizer step), all in bytes.
+
+Suite `baselines`: one process, same model, same blocks, same batch and
+precision: our loop (`python -m finetune train`) against the Hugging Face
+`Trainer`, the tool most users would otherwise reach for, and our loop in bf16
+against fp32. Reported: median step time and tokens/s, and their ratios.
 """
 
 from __future__ import annotations
@@ -33,9 +40,13 @@ CPU_CONFIGS = {  # config -> processes
 }
 
 
-def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str) -> None:
+def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str, threads: int | None = None) -> None:
+    """`accelerate launch` gives each process 1 thread unless told otherwise."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-           "--num_processes", str(nproc), "--mixed_precision", mixed_precision, "-m", "finetune", "train", *train_args]
+           "--num_processes", str(nproc), "--mixed_precision", mixed_precision]
+    if threads:
+        cmd += ["--num_cpu_threads_per_process", str(threads)]
+    cmd += ["-m", "finetune", "train", *train_args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
@@ -84,9 +95,82 @@ def suite_configs(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]:
+    """The HF Trainer on the blocks our run trained on (same tokenizer, data,
+    split, seed), the same preset model, batch, LR and steps; step times from a
+    callback, so start-up and data preparation are not counted."""
+    import torch
+    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    from finetune import models
+    from finetune.data.text import load_raw_text, tokenize_and_group
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
+    torch.manual_seed(42)
+    model = models.build_preset(args.model, tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+    class StepTimer(TrainerCallback):
+        """Time between step ends, data loading included: what our loop logs as step_time_s."""
+
+        def __init__(self):
+            self.times, self.last = [], None
+
+        def on_step_end(self, *_, **__):
+            now = time.perf_counter()
+            if self.last is not None:
+                self.times.append(now - self.last)
+            self.last = now
+
+    timer = StepTimer()
+    training_args = TrainingArguments(
+        output_dir=str(run_dir / "trainer"), per_device_train_batch_size=args.batch * 2, max_steps=args.steps,
+        learning_rate=1e-3, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="cosine",
+        warmup_steps=1, bf16=mixed_precision == "bf16", use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=args.steps, disable_tqdm=True, dataloader_drop_last=True, seed=42)
+    collate = lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows]),  # noqa: E731
+                            "labels": torch.stack([r["input_ids"] for r in rows])}
+    Trainer(model=model, args=training_args, train_dataset=blocks, data_collator=collate,
+            callbacks=[timer]).train()
+    return timer.times
+
+
+def suite_baselines(args) -> tuple[list[dict], str]:
+    """1 process, global batch = args.batch * 2, the same for every case."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mixed_precision in ("no", "bf16"):
+            run_dir = Path(tmp) / f"ours-{mixed_precision}"
+            train_args = ["--model", args.model, "--dataset", args.dataset, "--max_steps", str(args.steps),
+                          "--block_size", str(args.block_size), "--per_device_batch_size", str(args.batch * 2),
+                          "--max_eval_batches", "1", "--sample_prompt", "", "--output_dir", str(run_dir)]
+            print(f"[bench] finetune loop, 1 process, {mixed_precision}", flush=True)
+            # All cores, as the in-process Trainer has.
+            launch("single.yaml", 1, train_args, mixed_precision, threads=os.cpu_count())
+            results.append({"case": f"finetune loop ({mixed_precision})", **measure(run_dir)})
+            if mixed_precision == "no" or args.trainer_bf16:
+                print(f"[bench] HF Trainer, 1 process, {mixed_precision}", flush=True)
+                times = trainer_step_times(run_dir, args, mixed_precision)[1:]
+                step = statistics.median(times)
+                results.append({"case": f"HF Trainer ({mixed_precision})", "step_time_s": step,
+                                "tokens_per_sec": args.batch * 2 * args.block_size / step})
+    by_case = {r["case"]: r for r in results}
+    ours, trainer = by_case["finetune loop (no)"], by_case["HF Trainer (no)"]
+    lines = [f"model {args.model}, {args.steps} steps, batch {args.batch * 2} x {args.block_size} tokens, 1 process", "",
+             "| case | step time (s) | tokens/s | tokens/s vs HF Trainer (fp32) |", "| --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} | "
+                     f"{r['tokens_per_sec'] / trainer['tokens_per_sec']:.2f} |")
+    lines += ["", f"our loop / HF Trainer, fp32: {ours['tokens_per_sec'] / trainer['tokens_per_sec']:.2f}x tokens/s",
+              f"our loop bf16 / fp32: {by_case['finetune loop (bf16)']['tokens_per_sec'] / ours['tokens_per_sec']:.2f}x tokens/s"]
+    return results, "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs"], default="configs")
+    parser.add_argument("--suite", choices=["configs", "baselines"], default="configs")
+    parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
+    parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
     parser.add_argument("--model", default="small-gpt2")
     parser.add_argument("--dataset", default="builtin")
     parser.add_argument("--steps", type=int, default=12)
@@ -97,13 +181,17 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    results, table = suite_configs(args)
+    suites = {"configs": suite_configs, "baselines": suite_baselines}
+    if args.quick:
+        args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.suite}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    (out / f"{args.suite}.md").write_text(table + "\n")
-    print(table)
-    print(f"[bench] {time.perf_counter() - start:.0f} s; written to {out}/{args.suite}.md and .json")
+    for name in (suites if args.quick else [args.suite]):
+        results, table = suites[name](args)
+        (out / f"{name}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        (out / f"{name}.md").write_text(table + "\n")
+        print(table, flush=True)
+    print(f"[bench] {time.perf_counter() - start:.0f} s; written under {out}")
 
 
 if __name__ == "__main__":
