@@ -49,6 +49,8 @@ class TrainingProgress:
     step: int = 0                      # optimizer steps done
     epoch: int = 0                     # current epoch (0-based)
     samples_in_epoch: int = 0          # samples all ranks together consumed in the current epoch
+    epoch_loss_sum: float = 0.0        # sum of the step losses of the current epoch so far
+    epoch_steps: int = 0               # steps of the current epoch so far
     best_eval_loss: float = math.inf
     world_size: int = 1                # ranks that wrote the checkpoint
 
@@ -148,20 +150,26 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
 
 
 class CheckpointManager:
-    """Saves every `every` steps (and at the end), keeps the newest `keep_last`.
-    `write_model_files(dir)` adds what an offline export needs besides the
-    weights (HF config, generation config, tokenizer) under `model_config/`."""
+    """Saves every `every` steps, after every `every_epochs` epochs, and at the
+    end; keeps the newest `keep_last`. `write_model_files(dir)` adds what an
+    offline export needs besides the weights (HF config, generation config,
+    tokenizer) under `model_config/`."""
 
-    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every: int, keep_last: int,
+    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every: int, every_epochs: int, keep_last: int,
                  write_model_files: Callable[[Path], None]):
         self.accelerator = accelerator
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
+        self.every_epochs = every_epochs
         self.keep_last = keep_last
         self.write_model_files = write_model_files
 
-    def maybe_save(self, progress: TrainingProgress, config_yaml: str, final: bool = False) -> Path | None:
-        due = final or (self.every > 0 and progress.step % self.every == 0)
+    def maybe_save(self, progress: TrainingProgress, config_yaml: str, *, epoch_end: bool = False,
+                   final: bool = False) -> Path | None:
+        """Call after every optimizer step, after every epoch (epoch_end, with
+        progress.epoch already counting the finished epoch) and at the end."""
+        due = (final or (self.every > 0 and progress.step % self.every == 0)
+               or (epoch_end and self.every_epochs > 0 and progress.epoch % self.every_epochs == 0))
         if not due or (self.root / checkpoint_name(progress.step)).exists():
             return None
         return self.save(progress, config_yaml)

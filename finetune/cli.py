@@ -4,7 +4,7 @@
     finetune resume RUN_DIR [OPTIONS]   continue a run from its latest checkpoint
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16]
     finetune generate MODEL_DIR --prompt TEXT
-    finetune evaluate MODEL_DIR --dataset ID_OR_PATH
+    finetune evaluate MODEL_DIR --dataset ID_OR_PATH   perplexity or accuracy
     finetune estimate-memory --model NAME_OR_PATH --num_processes N
 
 Bad input raises `UsageError`: one line on stderr, exit code 2.
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import TrainConfig, config_fields, field_types, load_config
+from finetune.config import TASK_DEFAULTS, TrainConfig, config_fields, field_types, load_config
 from finetune.errors import UsageError
 
 
@@ -29,7 +29,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     types = field_types()
     for f in config_fields():
         default = getattr(defaults, f.name)
-        help_text = f"{f.metadata['help']} (default: {default!r})".replace("%", "%%")
+        by_task = "".join(f"; {task}: {values[f.name]!r}" for task, values in TASK_DEFAULTS.items() if f.name in values)
+        help_text = f"{f.metadata['help']} (default: {default!r}{by_task})".replace("%", "%%")
         kwargs = dict(default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         if types[f.name] is bool:
             parser.add_argument(f"--{f.name}", nargs="?", const=True, metavar="true|false", **kwargs)
@@ -88,15 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(func=cmd_generate)
 
-    evaluate = sub.add_parser("evaluate", help="perplexity of a model dir on a dataset")
+    evaluate = sub.add_parser("evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir")
     evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
     defaults = TrainConfig()
-    for name in ("dataset", "text_column", "block_size", "validation_split", "seed"):
+    for name in ("dataset", "text_column", "block_size", "image_column", "label_column", "validation_split", "seed"):
         evaluate.add_argument(f"--{name}", type=field_types()[name], default=getattr(defaults, name),
                               help=f"as for train (default: {getattr(defaults, name)!r})")
     evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
                           help="which split to score (default: 'validation')")
-    evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="sequences per batch (default: 8)")
+    evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate)
 
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
@@ -131,9 +132,9 @@ def _run(cfg: TrainConfig) -> int:
     if is_rank_zero():
         print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}")
         first, last = summary["first_eval"], summary["last_eval"]
-        if first:
-            print(f"validation perplexity: {first['perplexity']:.2f} -> {last['perplexity']:.2f}")
-        if cfg.sample_prompt:
+        name = "perplexity" if "perplexity" in last else "accuracy"
+        print(f"validation {name}: " + (f"{first[name]:.4f} -> " if first else "") + f"{last[name]:.4f}")
+        if cfg.sample_prompt and cfg.task == "causal-lm":
             print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt)!r}")
     return 0
 
@@ -171,8 +172,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from finetune.inference import evaluate_model_dir
 
-    result = evaluate_model_dir(args.model_dir, args.dataset, args.text_column, args.split, args.block_size,
-                                args.per_device_batch_size, args.validation_split, args.seed)
+    result = evaluate_model_dir(args.model_dir, args.dataset, args.split, args.per_device_batch_size,
+                                args.validation_split, args.seed, text_column=args.text_column,
+                                block_size=args.block_size, image_column=args.image_column,
+                                label_column=args.label_column)
     print(json.dumps(result))
     return 0
 

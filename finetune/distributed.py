@@ -150,6 +150,14 @@ def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardRep
     return report
 
 
+def count_fsdp_units(model: torch.nn.Module) -> int:
+    """Modules the auto-wrap policy made into FSDP units (each gathers and frees
+    its parameters as one), the root included; 0 when not FSDP."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 def _local_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0

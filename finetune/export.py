@@ -19,20 +19,23 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
-                          PreTrainedTokenizerBase)
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from finetune import models
 from finetune.checkpoint import MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, check_dcp_files, complete_checkpoints
 from finetune.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def tied_duplicates(config: PretrainedConfig) -> dict[str, str]:
-    """Map each tied parameter name to the name it shares storage with, found by
-    building the model on the meta device (no memory, works for any architecture)."""
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The architecture a config describes, without memory (works for any size)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return models.from_config(config)
+
+
+def tied_duplicates(model: torch.nn.Module) -> dict[str, str]:
+    """Map each tied parameter name to the name it shares storage with."""
     first_name: dict[int, str] = {}
     duplicates = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -52,6 +55,17 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         raise UsageError(f"cannot write to {out_dir} ({existing} is not a writable directory); choose another --output")
 
 
+def write_model_files(target: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None = None,
+                      generation_config: GenerationConfig | None = None) -> None:
+    """Everything of a model dir but its weights: config, generation config
+    (generative models only), tokenizer (text models only)."""
+    config.save_pretrained(target)
+    if meta_model(config).can_generate():
+        (generation_config or GenerationConfig.from_model_config(config)).save_pretrained(target)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+
+
 def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfig, out_dir: str | Path, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
                     generation_config: GenerationConfig | None = None,
@@ -60,7 +74,7 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
     check_output_dir(out_dir, overwrite)
     torch_dtype = DTYPES[dtype]
 
-    duplicates = tied_duplicates(config)
+    duplicates = tied_duplicates(meta_model(config))
     tensors = {}
     for name in list(state_dict):
         if name in duplicates and duplicates[name] in state_dict:
@@ -87,10 +101,7 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         config = config.__class__.from_dict(config.to_dict())
         config.dtype = dtype
-        config.save_pretrained(tmp)
-        (generation_config or GenerationConfig.from_model_config(config)).save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        write_model_files(tmp, config, tokenizer, generation_config)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -144,7 +155,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
                          "the HF model dir or id it was trained from, for its config and tokenizer")
     try:
         config = AutoConfig.from_pretrained(config_source)
-        tokenizer = AutoTokenizer.from_pretrained(config_source)
+        is_text = models.task_of_config(config) == "causal-lm"
+        tokenizer = AutoTokenizer.from_pretrained(config_source) if is_text else None
     except (OSError, ValueError) as e:
         raise UsageError(f"could not read the model config/tokenizer from {config_source} "
                          f"({str(e).strip().splitlines()[0]}); pass --model with a HF model dir") from None

@@ -1,5 +1,5 @@
-"""Evaluation (perplexity through an `evaluate` module shipped with the
-package), the metrics.jsonl log, and the loss plot."""
+"""Evaluation (perplexity and accuracy through `evaluate` modules shipped with
+the package), the metrics.jsonl log, and the loss plot."""
 
 from __future__ import annotations
 
@@ -52,6 +52,29 @@ def evaluate_perplexity(model, dataloader, accelerator: Accelerator, metric: eva
     return metric.compute()
 
 
+@torch.no_grad()
+def evaluate_accuracy(model, dataloader, accelerator: Accelerator, metric: evaluate.EvaluationModule,
+                      inputs, max_batches: int = 0) -> dict[str, float]:
+    """Accuracy and mean cross-entropy over all ranks. `gather_for_metrics`
+    drops the samples the distributed sampler repeated to even out the ranks,
+    so every sample counts once. `inputs(batch)` gives the model's input."""
+    was_training = model.training
+    model.eval()
+    nll_sum, count = 0.0, 0
+    for i, batch in enumerate(dataloader):
+        if max_batches and i >= max_batches:
+            break
+        logits = model(inputs(batch)).logits.float()
+        nll = F.cross_entropy(logits, batch["label"], reduction="none")
+        predictions, references, nll = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["label"], nll))
+        metric.add_batch(predictions=predictions.cpu().tolist(), references=references.cpu().tolist())
+        nll_sum += float(nll.double().sum())
+        count += nll.numel()
+    model.train(was_training)
+    result = metric.compute()
+    return {"eval_loss": nll_sum / count, "accuracy": result["accuracy"], "num_samples": result["num_samples"]}
+
+
 class MetricsLog:
     """metrics.jsonl, written by the main process only."""
 
@@ -91,7 +114,7 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="validation loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("cross-entropy (nats)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -1,5 +1,7 @@
-"""The training loop for causal LMs: data -> model -> prepare -> accumulate,
-clip, step, log, evaluate, checkpoint -> consolidate the final model.
+"""The training loop: data -> model -> prepare -> accumulate, clip, step, log,
+evaluate, checkpoint -> consolidate the final model. The same loop trains
+causal LMs and image classifiers; what differs (data, model, loss, metric)
+comes from finetune/tasks.py.
 
 FSDP, mixed precision and process count come from the accelerate config; this
 file never branches on them.
@@ -16,22 +18,19 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType
+from torch.optim.lr_scheduler import LambdaLR, StepLR
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoTokenizer, GenerationConfig
 
-from finetune import models
 from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_checkpoint
 from finetune.config import TrainConfig
-from finetune.data.text import load_raw_text, text_iterator, tokenize_and_group
-from finetune.data.tokenizer import train_bpe_tokenizer
-from finetune.distributed import (build_accelerator, gather_ints, peak_memory_bytes, persistent_state_bytes,
-                                  slow_bf16_warning, verify_sharded)
+from finetune.distributed import (build_accelerator, count_fsdp_units, gather_ints, peak_memory_bytes,
+                                  persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import UsageError
-from finetune.export import write_model_dir
-from finetune.metrics import MetricsLog, evaluate_perplexity, load_metric, next_token_nll, plot_loss
+from finetune.export import write_model_dir, write_model_files
+from finetune.metrics import MetricsLog, load_metric, plot_loss
+from finetune.tasks import build_task
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -45,38 +44,12 @@ def check_run_dir(cfg: TrainConfig) -> None:
                          "pass --overwrite, or choose another --output_dir")
 
 
-def build_tokenizer_and_model(cfg: TrainConfig, raw_train, accelerator, run_dir: Path):
-    """A preset trains its own tokenizer on the training text (once, on the main
-    process, saved with the run); anything else brings its tokenizer."""
-    if models.is_preset(cfg.model):
-        tokenizer_dir = run_dir / "tokenizer"
-        if accelerator.is_main_process and not (tokenizer_dir / "tokenizer.json").is_file():
-            tok = train_bpe_tokenizer(text_iterator(raw_train), models.preset_vocab_size(cfg.model))
-            tok.save_pretrained(tokenizer_dir)
-        accelerator.wait_for_everyone()
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        set_seed(cfg.seed)  # every rank initialises the same weights before sharding
-        model = models.build_preset(cfg.model, tokenizer.bos_token_id, tokenizer.eos_token_id)
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {cfg.model} has no usable tokenizer ({str(e).splitlines()[0]}); "
-                             "save one next to the model with tokenizer.save_pretrained") from None
-        model = models.load_pretrained(cfg.model, cfg.trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise UsageError(f"the tokenizer of --model {cfg.model} has no end-of-text token; set eos_token and save it again")
-    if len(tokenizer) > model.config.vocab_size:
-        raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but --model {cfg.model} only {model.config.vocab_size}; "
-                         "use the tokenizer the model was trained with")
-    if cfg.block_size > model.config.max_position_embeddings:
-        raise UsageError(f"--block_size {cfg.block_size} is longer than the model's {model.config.max_position_embeddings} "
-                         "positions; lower --block_size")
-    return tokenizer, model
-
-
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings only (nanoGPT's rule)."""
+    """AdamW with decay on matrices and embeddings only (nanoGPT's rule), or
+    the lectures' Adam with L2 decay on every parameter."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                weight_decay=cfg.weight_decay)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -89,6 +62,15 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """The cosine schedule is stepped after every optimizer step, the step
+    schedule (StepLR, step_size=1) after every epoch; see `schedule_per_epoch`."""
+    if cfg.lr_scheduler == "step":
+        return StepLR(optimizer, step_size=1, gamma=cfg.lr_gamma)
+    warmup = cfg.warmup_steps or max(1, total_steps // 20)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
 
 
 def to_float(t: torch.Tensor) -> float:
@@ -115,45 +97,38 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
 
-    # Data and model, checked before the run writes anything but its tokenizer.
-    # The main process goes first and fills the datasets cache.
-    with accelerator.main_process_first():
-        raw = load_raw_text(cfg.dataset, cfg.text_column, cfg.validation_split, cfg.seed)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, model = build_tokenizer_and_model(cfg, raw["train"], accelerator, run_dir)
-    with accelerator.main_process_first():
-        blocks = tokenize_and_group(raw, tokenizer, cfg.block_size)
+    task = build_task(cfg)
+    data = task.build(accelerator, run_dir)
     global_batch = cfg.per_device_batch_size * accelerator.num_processes
-    if len(blocks["train"]) < global_batch:
-        raise UsageError(f"{len(blocks['train'])} training blocks are fewer than one batch on every rank "
-                         f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add text or lower "
-                         "--per_device_batch_size/--block_size")
+    if len(data.train) < global_batch:
+        raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
+                         f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
+                         "--per_device_batch_size" + ("/--block_size" if task.name == "causal-lm" else ""))
     if main:
         (run_dir / "run_config.yaml").write_text(config_yaml)
         if not resume_from:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    train_loader = DataLoader(blocks["train"], batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
-    eval_loader = DataLoader(blocks["validation"], batch_size=cfg.per_device_batch_size)
+    model = data.model
+    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
+    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
 
-    steps_per_epoch = math.ceil(len(train_loader) / accelerator.num_processes / cfg.gradient_accumulation_steps)
+    train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)  # now per rank
+
+    # The last micro-batches of an epoch make a step even when fewer than
+    # gradient_accumulation_steps are left.
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
-    warmup = cfg.warmup_steps or max(1, total_steps // 20)
+    schedule_per_epoch = cfg.lr_scheduler == "step"
     optimizer = build_optimizer(model, cfg)
-    scheduler = LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     shards = verify_sharded(model, accelerator)
-    metric = load_metric("perplexity", accelerator)
+    fsdp_units = count_fsdp_units(model)
+    metric = load_metric(task.metric_name, accelerator)
 
     hf_config = accelerator.unwrap_model(model).config
-
-    def write_model_files(target: Path) -> None:
-        hf_config.save_pretrained(target)
-        GenerationConfig.from_model_config(hf_config).save_pretrained(target)
-        tokenizer.save_pretrained(target)
-
-    checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.keep_last, write_model_files)
+    checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.checkpoint_every_epochs,
+                                    cfg.keep_last, lambda target: write_model_files(target, hf_config, data.tokenizer))
     log = MetricsLog(run_dir / "metrics.jsonl", main)
     progress = TrainingProgress(world_size=accelerator.num_processes)
     if resume_from:
@@ -162,21 +137,25 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
             log.truncate_after(progress.step)
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
     accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                      f"{shards.total_params:,} parameters, per rank {shards.local_params_per_rank}; "
-                      f"{len(blocks['train'])} train / {len(blocks['validation'])} validation blocks of {cfg.block_size}; "
-                      f"{total_steps} steps")
+                      f"{shards.total_params:,} parameters in {fsdp_units} FSDP unit(s), per rank "
+                      f"{shards.local_params_per_rank}; {data.description}; {total_steps} steps")
+
+    evals = []
 
     def run_eval() -> dict:
-        result = evaluate_perplexity(model, eval_loader, accelerator, metric, cfg.max_eval_batches)
+        result = task.evaluate(model, eval_loader, accelerator, metric)
         progress.best_eval_loss = min(progress.best_eval_loss, result["eval_loss"])
-        log.write({"step": progress.step, **result})
+        log.write({"step": progress.step, "epoch": progress.epoch, **result})
+        evals.append((progress.step, result))
         return result
 
-    first_eval = run_eval() if not resume_from else None
+    if not resume_from:
+        run_eval()
 
     # The loop.
     model.train()
-    tokens_per_step = global_batch * cfg.gradient_accumulation_steps * cfg.block_size
+    samples_per_step = global_batch * cfg.gradient_accumulation_steps
+    throughput_per_step = samples_per_step * task.units_per_sample()
     bar = tqdm(total=total_steps, initial=progress.step, disable=not main, desc="training", dynamic_ncols=True)
     start = time.perf_counter()
     step_start = start
@@ -191,7 +170,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
         batches.set_epoch(progress.epoch)  # the order of an epoch depends on (seed, epoch) only
         for batch in batches:
             with accelerator.accumulate(model):
-                loss_t = next_token_nll(model(input_ids=batch["input_ids"]).logits, batch["input_ids"]).mean()
+                loss_t = task.loss(model, batch)
                 accelerator.backward(loss_t)
                 window_loss += loss_t.detach()
                 window_batches += 1
@@ -201,12 +180,14 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
                     optimizer.step()
                     if state_bytes is None:
                         state_bytes = persistent_state_bytes(model, optimizer)
-                    scheduler.step()
+                    if not schedule_per_epoch:
+                        scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             progress.samples_in_epoch += global_batch
             if not accelerator.sync_gradients:
                 continue
 
+            # One optimizer step done.
             progress.step += 1
             loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
             window_loss.zero_()
@@ -216,31 +197,43 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
             if not math.isfinite(loss):
                 raise RuntimeError(f"loss is {loss} at step {progress.step}; lower --learning_rate "
                                    "(the last complete checkpoint is kept)")
+            progress.epoch_loss_sum += loss
+            progress.epoch_steps += 1
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                log.write({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                           "step_time_s": step_time, "tokens_per_sec": tokens_per_step / step_time})
+                log.write({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": lr,
+                           "grad_norm": grad_norm, "step_time_s": step_time,
+                           task.throughput_key: throughput_per_step / step_time})
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / step_time:,.0f}")
-            if cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < total_steps:
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}",
+                            **{task.throughput_key: f"{throughput_per_step / step_time:,.0f}"})
+
+            epoch_end = accelerator.gradient_state.end_of_dataloader
+            if epoch_end:  # from here on, `epoch` counts the finished epochs
+                epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
+                progress.epoch += 1
+                progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
+                log.write({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
+                if schedule_per_epoch:
+                    scheduler.step()
+            eval_due = (cfg.eval_every and progress.step % cfg.eval_every == 0) or \
+                (epoch_end and cfg.eval_every_epochs and progress.epoch % cfg.eval_every_epochs == 0)
+            if eval_due and progress.step < total_steps:
                 run_eval()
-            checkpoints.maybe_save(progress, config_yaml)
+            checkpoints.maybe_save(progress, config_yaml, epoch_end=epoch_end)
             step_start = time.perf_counter()  # eval and checkpoint time is not step time
             if progress.step >= total_steps:
                 break
-        else:
-            progress.epoch += 1
-            progress.samples_in_epoch = 0
     bar.close()
     train_time = time.perf_counter() - start
 
-    last_eval = run_eval()
+    run_eval()
     checkpoints.maybe_save(progress, config_yaml, final=True)
 
     # Consolidate the full state on rank 0 and write the HF model dir.
     state_dict = accelerator.get_state_dict(model)
     final_dir = run_dir / "final"
     if main:
-        write_model_dir(state_dict, hf_config, final_dir, tokenizer=tokenizer, overwrite=True)
+        write_model_dir(state_dict, hf_config, final_dir, tokenizer=data.tokenizer, overwrite=True)
     accelerator.wait_for_everyone()
 
     is_fsdp = accelerator.distributed_type == DistributedType.FSDP
@@ -252,14 +245,15 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
         "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version if is_fsdp else None,
         "mixed_precision": accelerator.mixed_precision,
         "total_params": shards.total_params,
+        "fsdp_units": fsdp_units,
         "local_params_per_rank": shards.local_params_per_rank,
         "peak_memory_bytes_per_rank": gather_ints(accelerator, peak_memory_bytes(accelerator)),
         "state_bytes_per_rank": gather_ints(accelerator, sum(state_bytes.values()) if state_bytes else 0),
         "train_time_s": train_time,
         "steps": progress.step,
         "final_loss": loss,
-        "first_eval": first_eval,
-        "last_eval": last_eval,
+        "first_eval": evals[0][1] if evals[0][0] == 0 else None,
+        "last_eval": evals[-1][1],
         "final_model_dir": str(final_dir),
     }
     if main:

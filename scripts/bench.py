@@ -108,7 +108,7 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
     blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
     torch.manual_seed(42)
-    model = models.build_preset(args.model, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = models.build_gpt2_preset(args.model, tokenizer.bos_token_id, tokenizer.eos_token_id)
 
     class StepTimer(TrainerCallback):
         """Time between step ends, data loading included: what our loop logs as step_time_s."""
