@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR, StepLR
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from finetune import models
 from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_checkpoint
 from finetune.config import TrainConfig
 from finetune.distributed import (build_accelerator, count_fsdp_units, gather_ints, peak_memory_bytes,
@@ -79,6 +80,7 @@ def to_float(t: torch.Tensor) -> float:
 
 def train(cfg: TrainConfig) -> dict:
     check_run_dir(cfg)
+    models.check_task(cfg.model, cfg.task)
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
     summary = _train(cfg, accelerator)
     # Free the wrapped model while the process group is alive: a DDP reducer

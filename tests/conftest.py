@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -102,6 +105,18 @@ def train_rows(run_dir: Path) -> list[dict]:
 
 def eval_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r]
+
+
+def dcp_elements_per_file(shard_dir: Path, skip: set[str]) -> dict[str, int]:
+    """Parameter elements stored in each .distcp file, from the DCP metadata."""
+    md = FileSystemReader(str(shard_dir)).read_metadata()
+    per_file: Counter = Counter()
+    for index, info in md.storage_data.items():
+        if index.fqn in skip:
+            continue
+        chunk = md.state_dict_metadata[index.fqn].chunks[index.index]
+        per_file[info.relative_path] += math.prod(chunk.sizes)
+    return dict(per_file)
 
 
 def common_args(corpus: Path) -> list[str]:

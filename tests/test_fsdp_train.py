@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
-from conftest import check_ok, eval_rows, run_cli, train_rows
+from conftest import check_ok, dcp_elements_per_file, eval_rows, run_cli, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -55,18 +54,6 @@ def test_bf16_keeps_fp32_master_weights_and_optimizer_state(fsdp_run):
                   if hasattr(meta, "properties") and meta.properties.dtype.is_floating_point}
         assert dtypes and set(dtypes.values()) == {torch.float32}, (part, set(dtypes.values()))
     assert any("exp_avg_sq" in fqn for fqn in dtypes)
-
-
-def dcp_elements_per_file(shard_dir: Path, skip: set[str]) -> dict[str, int]:
-    """Parameter elements stored in each .distcp file, from the DCP metadata."""
-    md = FileSystemReader(str(shard_dir)).read_metadata()
-    per_file: Counter = Counter()
-    for index, info in md.storage_data.items():
-        if index.fqn in skip:
-            continue
-        chunk = md.state_dict_metadata[index.fqn].chunks[index.index]
-        per_file[info.relative_path] += math.prod(chunk.sizes)
-    return dict(per_file)
 
 
 def test_summary_reports_real_fsdp_shards(fsdp_run):

@@ -75,6 +75,8 @@ def test_train_help_lists_every_option_with_its_default():
     (["train", "--max_step", "3"], "unknown option --max_step; did you mean --max_steps?"),
     (["train", "--dataset", "/no/such/file.txt", "--output_dir", "{tmp}/run"], "--dataset /no/such/file.txt does not exist"),
     (["train", "--learning_rate", "-1"], "--learning_rate must be a positive number"),
+    (["train", "--task", "image-classification", "--model", "tiny-gpt2"],
+     "--model tiny-gpt2 is for --task causal-lm, not image-classification; pass --task causal-lm, or a model for --task image-classification (lecture-cnn)"),
     (["resume", "{tmp}"], "is not a run directory"),
     (["train", "--resume_from_checkpoint", "latest", "--output_dir", "{tmp}/run"], "no complete checkpoint under"),
 ])

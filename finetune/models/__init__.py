@@ -58,8 +58,8 @@ def check_task(model: str, task: str) -> None:
     """A preset serves one task; say which before anything is loaded."""
     if is_preset(model) and PRESET_TASKS[model] != task:
         fitting = [name for name, t in PRESET_TASKS.items() if t == task]
-        raise UsageError(f"--model {model} is a {PRESET_TASKS[model]} model, not a {task} one; "
-                         f"pass --task {PRESET_TASKS[model]} or a {task} model ({', '.join(fitting)})")
+        raise UsageError(f"--model {model} is for --task {PRESET_TASKS[model]}, not {task}; "
+                         f"pass --task {PRESET_TASKS[model]}, or a model for --task {task} ({', '.join(fitting)})")
 
 
 def from_config(config: PretrainedConfig) -> PreTrainedModel:
@@ -85,8 +85,8 @@ def load_pretrained(name_or_path: str, task: str, trust_remote_code: bool = Fals
         raise UsageError(f"could not load --model {name_or_path} ({first_line}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({presets})") from None
     if task_of_config(config) not in (task, None):
-        raise UsageError(f"--model {name_or_path} is a {task_of_config(config)} model, not a {task} one; "
-                         f"pass --task {task_of_config(config)} or a {task} model")
+        raise UsageError(f"--model {name_or_path} is for --task {task_of_config(config)}, not {task}; "
+                         f"pass --task {task_of_config(config)}, or a model for --task {task}")
     try:
         return AUTO_CLASSES[task].from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
                                                   dtype=torch.float32)
