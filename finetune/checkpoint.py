@@ -18,7 +18,6 @@ when the checkpoint was written get a fresh RNG stream seeded from
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -33,9 +32,9 @@ from accelerate.utils import set_seed
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
+from finetune.distributed import rank_warning
 from finetune.errors import UsageError
 
-logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "training_progress.json"
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
@@ -218,7 +217,6 @@ class CheckpointManager:
         if acc.process_index >= progress.world_size:
             # No saved RNG stream for this rank: a fresh one, the same on every resume.
             set_seed(seed + 1_000_003 * progress.step + acc.process_index)
-            logger.warning("rank %d had no RNG state in %s; seeded from (seed, step, rank)",
-                           acc.process_index, checkpoint_dir)
+            rank_warning(acc, f"no RNG state for this rank in {checkpoint_dir}; seeded from (seed, step, rank)")
         progress.world_size = acc.num_processes
         return progress

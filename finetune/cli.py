@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import TASK_DEFAULTS, TrainConfig, config_fields, field_types, load_config
-from finetune.errors import UsageError
+from finetune.errors import Stopped, UsageError
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -237,4 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         if is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except Stopped as e:
+        if is_rank_zero():
+            print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code

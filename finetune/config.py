@@ -25,6 +25,7 @@ TASKS = ("causal-lm", "image-classification")
 
 OPTIMIZERS = ("adamw", "adam")
 LR_SCHEDULERS = ("cosine", "step")
+REPORTERS = ("jsonl", "tensorboard", "none")
 
 # Defaults that differ by task; anything set in a config file or on the command
 # line wins. The image-classification recipe is the lectures' (Adam 1e-2 with L2
@@ -85,6 +86,8 @@ class TrainConfig:
 
     # bookkeeping
     log_every: int = _opt(1, "write a metrics row every N optimizer steps")
+    report_to: str = _opt("jsonl", "where metrics go, through Accelerate's trackers: jsonl (RUN_DIR/metrics.jsonl), "
+                          "tensorboard (RUN_DIR/tensorboard), both as jsonl,tensorboard, or none")
     eval_every: int = _opt(0, "evaluate on the validation split every N steps (0 = only at start and end)")
     eval_every_epochs: int = _opt(0, "also evaluate after every N epochs (0 = not per epoch)")
     max_eval_batches: int = _opt(0, "cap evaluation at N batches per process (0 = the whole validation split)")
@@ -123,6 +126,10 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        reporters = self.report_to.split(",")
+        if not set(reporters) <= set(REPORTERS) or ("none" in reporters and len(reporters) > 1):
+            raise UsageError(f"--report_to {self.report_to!r} is not supported; pass jsonl, tensorboard, "
+                             "jsonl,tensorboard or none")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler", LR_SCHEDULERS)):

@@ -13,12 +13,13 @@ and `prepare` shards the model exactly as it would on GPUs.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType
+from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration
 
 from finetune.errors import UsageError
 
@@ -85,7 +86,38 @@ def restore_cpu_state() -> None:
         state.distributed_type = DistributedType.MULTI_CPU
 
 
-def build_accelerator(gradient_accumulation_steps: int, seed: int) -> Accelerator:
+def check_processes_fit_devices() -> None:
+    """One process per GPU: more would share a GPU (and NCCL refuses that)."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        raise UsageError(f"{local_processes} processes on this machine but only {torch.cuda.device_count()} GPU(s); "
+                         f"pass --num_processes {torch.cuda.device_count()} to accelerate launch (one process per GPU)")
+
+
+def quiet_other_ranks(accelerator: Accelerator) -> None:
+    """Only the main process reports progress and the warnings every rank would
+    repeat; other ranks print errors and their own `[rank N]` warnings."""
+    if accelerator.is_main_process:
+        return
+    import warnings
+
+    import datasets
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+
+
+def rank_warning(accelerator: Accelerator, message: str) -> None:
+    """A warning that holds for this rank only."""
+    print(f"[rank {accelerator.process_index}] warning: {message}", file=sys.stderr, flush=True)
+
+
+def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: list | None = None,
+                      run_dir: Path | None = None) -> Accelerator:
+    check_processes_fit_devices()
     check_fsdp_options_supported_here()
     on_cpu = not has_accelerator_device()
     if on_cpu and fsdp_requested():
@@ -101,8 +133,11 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int) -> Accelerato
         # Data order depends on (seed, epoch) only: the same on every rank and
         # after a resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        log_with=log_with or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)) if run_dir else None,
     )
     restore_cpu_state()
+    quiet_other_ranks(accelerator)
 
     if accelerator.num_processes != launched_world_size():
         raise RuntimeError(f"launched {launched_world_size()} processes but Accelerate sees {accelerator.num_processes}: "

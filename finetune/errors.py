@@ -1,10 +1,19 @@
-"""The one exception type for bad user input.
+"""How a run ends early on purpose.
 
-Anything raised as `UsageError` is printed by the CLI as a single line (no
-traceback) and the process exits with code 2. Its message must name the
-problem and the fix.
+`UsageError` is bad user input: the CLI prints it as a single line (no
+traceback) and exits with code 2. Its message must name the problem and the fix.
+
+`Stopped` is a run stopped by Ctrl-C or SIGTERM after saving a checkpoint: one
+line saying where to resume, exit code 128 + the signal number, as shells report
+a process ended by that signal.
 """
 
 
 class UsageError(Exception):
     exit_code = 2
+
+
+class Stopped(Exception):
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -10,6 +10,7 @@ import evaluate
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker
 
 MODULES_DIR = Path(__file__).parent / "metrics_modules"
 
@@ -75,22 +76,32 @@ def evaluate_accuracy(model, dataloader, accelerator: Accelerator, metric: evalu
     return {"eval_loss": nll_sum / count, "accuracy": result["accuracy"], "num_samples": result["num_samples"]}
 
 
-class MetricsLog:
-    """metrics.jsonl, written by the main process only."""
+class JSONLTracker(GeneralTracker):
+    """metrics.jsonl as an Accelerate tracker: `accelerator.log(values, step)`
+    appends {"step": step, **values}, on the main process only."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path = path
-        self.enabled = enabled
+    name = "jsonl"
+    requires_logging_directory = False
+    main_process_only = True
 
-    def write(self, row: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = Path(path)
 
-    def truncate_after(self, step: int) -> None:
-        kept = [row for row in read_metrics(self.path) if row["step"] <= step]
-        if self.enabled:
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    @property
+    def tracker(self) -> Path:
+        return self.path
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the rows after `step` (they belong to the part of a run a resume repeats)."""
+    if path.is_file():
+        kept = [row for row in read_metrics(path) if row["step"] <= step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -100,6 +111,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> None:
+    """Train loss per step and validation loss per evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,3 +132,29 @@ def plot_loss(metrics_path: Path, out_path: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
+
+
+def summary_markdown(summary: dict, run_dir: Path) -> str:
+    """summary.md: the facts of summary.json for a person."""
+    first, last = summary["first_eval"], summary["last_eval"]
+    metric = "perplexity" if "perplexity" in last else "accuracy"
+    mib = [f"{b / 2**20:,.0f}" for b in summary["peak_memory_bytes_per_rank"]]
+    lines = [
+        f"# {summary['task']} run: {summary['model']}",
+        "",
+        f"- Sharding: {summary['distributed_type']} on {summary['world_size']} process(es)"
+        + (f", FSDP{summary['fsdp_version']} with {summary['fsdp_units']} units" if summary["fsdp_version"] else ""),
+        f"- Parameters: {summary['total_params']:,} in all; per rank {', '.join(f'{n:,}' for n in summary['local_params_per_rank'])}",
+        f"- Mixed precision: {summary['mixed_precision']}",
+        f"- Steps: {summary['steps']} in {summary['train_time_s']:.1f} s; final train loss "
+        + (f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "n/a"),
+        f"- Validation {metric}: " + (f"{first[metric]:.4f} -> " if first else "") + f"{last[metric]:.4f}"
+        + f" (loss {last['eval_loss']:.4f})",
+        f"- Peak memory per rank: {', '.join(mib)} MiB",
+        f"- Final model: `{summary['final_model_dir']}`",
+        "",
+        f"Resume or extend: `accelerate launch --config_file ... -m finetune resume {run_dir} --max_steps N`.  ",
+        f"Export a checkpoint: `finetune export {run_dir} --output DIR`.  ",
+        "Curves: `loss.png`; every row: `metrics.jsonl`; all facts: `summary.json`.",
+    ]
+    return "\n".join(lines) + "\n"

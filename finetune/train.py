@@ -10,8 +10,10 @@ file never branches on them.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -24,13 +26,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import models
-from finetune.checkpoint import CheckpointManager, TrainingProgress, resolve_checkpoint
+from finetune.checkpoint import CheckpointManager, TrainingProgress, complete_checkpoints, resolve_checkpoint
 from finetune.config import TrainConfig
 from finetune.distributed import (build_accelerator, count_fsdp_units, gather_ints, peak_memory_bytes,
                                   persistent_state_bytes, slow_bf16_warning, verify_sharded)
-from finetune.errors import UsageError
+from finetune.errors import Stopped, UsageError
 from finetune.export import write_model_dir, write_model_files
-from finetune.metrics import MetricsLog, load_metric, plot_loss
+from finetune.metrics import JSONLTracker, load_metric, plot_loss, summary_markdown, truncate_metrics
+from finetune.stopping import StopSignals
 from finetune.tasks import build_task
 
 
@@ -78,20 +81,44 @@ def to_float(t: torch.Tensor) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
+def build_trackers(cfg: TrainConfig) -> list:
+    """Accelerate trackers for --report_to: metrics.jsonl, TensorBoard, or none."""
+    wanted = set(cfg.report_to.split(","))
+    trackers: list = []
+    if "jsonl" in wanted:
+        trackers.append(JSONLTracker(Path(cfg.output_dir) / "metrics.jsonl"))
+    if "tensorboard" in wanted:
+        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
+            raise UsageError("--report_to tensorboard needs the tensorboard package; pip install tensorboard, "
+                             "or drop tensorboard from --report_to")
+        trackers.append("tensorboard")
+    return trackers
+
+
 def train(cfg: TrainConfig) -> dict:
     check_run_dir(cfg)
     models.check_task(cfg.model, cfg.task)
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
-    summary = _train(cfg, accelerator)
-    # Free the wrapped model while the process group is alive: a DDP reducer
-    # destroyed after its gloo group hangs in the group's destructor.
-    accelerator.free_memory()
-    gc.collect()
-    accelerator.end_training()
-    return summary
+    run_dir = Path(cfg.output_dir)
+    fresh_run_dir = not run_dir.exists()
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg), run_dir)
+    try:
+        with StopSignals() as stop:
+            return _train(cfg, accelerator, stop)
+    except UsageError:
+        # Bad input found before the first evaluation leaves no half-made run dir behind.
+        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "metrics.jsonl").exists() \
+                and not complete_checkpoints(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    finally:
+        # Free the wrapped model while the process group is alive: a DDP reducer
+        # destroyed after its gloo group hangs in the group's destructor.
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.end_training()
 
 
-def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
+def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dict:
     main = accelerator.is_main_process
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
@@ -110,6 +137,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
         (run_dir / "run_config.yaml").write_text(config_yaml)
         if not resume_from:
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    accelerator.init_trackers("tensorboard", config=cfg.to_dict())
     model = data.model
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
@@ -131,12 +159,14 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     hf_config = accelerator.unwrap_model(model).config
     checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.checkpoint_every_epochs,
                                     cfg.keep_last, lambda target: write_model_files(target, hf_config, data.tokenizer))
-    log = MetricsLog(run_dir / "metrics.jsonl", main)
+    def log(row: dict) -> None:
+        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
     progress = TrainingProgress(world_size=accelerator.num_processes)
     if resume_from:
         progress = checkpoints.load(resume_from, model, cfg.seed)
         if main:  # rows logged after that checkpoint belong to the lost part of the run
-            log.truncate_after(progress.step)
+            truncate_metrics(run_dir / "metrics.jsonl", progress.step)
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
     accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
                       f"{shards.total_params:,} parameters in {fsdp_units} FSDP unit(s), per rank "
@@ -147,7 +177,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     def run_eval() -> dict:
         result = task.evaluate(model, eval_loader, accelerator, metric)
         progress.best_eval_loss = min(progress.best_eval_loss, result["eval_loss"])
-        log.write({"step": progress.step, "epoch": progress.epoch, **result})
+        log({"step": progress.step, "epoch": progress.epoch, **result})
         evals.append((progress.step, result))
         return result
 
@@ -158,74 +188,84 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     model.train()
     samples_per_step = global_batch * cfg.gradient_accumulation_steps
     throughput_per_step = samples_per_step * task.units_per_sample()
-    bar = tqdm(total=total_steps, initial=progress.step, disable=not main, desc="training", dynamic_ncols=True)
-    start = time.perf_counter()
-    step_start = start
-    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-    loss = None  # stays None when a resume has no step left to run
-    state_bytes = None  # measured once, after the first optimizer step
-    while progress.step < total_steps:
-        # Non-zero only right after a resume; rounds down when the world size changed.
-        skip = progress.samples_in_epoch // global_batch
-        progress.samples_in_epoch = skip * global_batch
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        batches.set_epoch(progress.epoch)  # the order of an epoch depends on (seed, epoch) only
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss_t = task.loss(model, batch)
-                accelerator.backward(loss_t)
-                window_loss += loss_t.detach()
-                window_batches += 1
-                if accelerator.sync_gradients:
-                    grad_norm = to_float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
-                    lr = scheduler.get_last_lr()[0]
-                    optimizer.step()
-                    if state_bytes is None:
-                        state_bytes = persistent_state_bytes(model, optimizer)
-                    if not schedule_per_epoch:
+    with tqdm(total=total_steps, initial=progress.step, disable=not main, desc="training", dynamic_ncols=True) as bar:
+        start = time.perf_counter()
+        step_start = start
+        window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
+        loss = None  # stays None when a resume has no step left to run
+        state_bytes = None  # measured once, after the first optimizer step
+        while progress.step < total_steps:
+            # Non-zero only right after a resume; rounds down when the world size changed.
+            skip = progress.samples_in_epoch // global_batch
+            progress.samples_in_epoch = skip * global_batch
+            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            batches.set_epoch(progress.epoch)  # the order of an epoch depends on (seed, epoch) only
+            for batch in batches:
+                with accelerator.accumulate(model):
+                    loss_t = task.loss(model, batch)
+                    accelerator.backward(loss_t)
+                    window_loss += loss_t.detach()
+                    window_batches += 1
+                    if accelerator.sync_gradients:
+                        grad_norm = to_float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
+                        lr = scheduler.get_last_lr()[0]
+                        optimizer.step()
+                        if state_bytes is None:
+                            state_bytes = persistent_state_bytes(model, optimizer)
+                        if not schedule_per_epoch:
+                            scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                progress.samples_in_epoch += global_batch
+                if not accelerator.sync_gradients:
+                    continue
+
+                # One optimizer step done.
+                progress.step += 1
+                # One collective for the loss and for "a rank was asked to stop".
+                shared = accelerator.reduce(torch.stack([window_loss / window_batches,
+                                                         torch.tensor(stop.flag, device=accelerator.device)]),
+                                            reduction="mean").tolist()
+                loss, stop_requested = shared[0], shared[1] > 0
+                window_loss.zero_()
+                window_batches = 0
+                now = time.perf_counter()
+                step_time, step_start = now - step_start, now
+                if not math.isfinite(loss):
+                    kept = complete_checkpoints(run_dir)
+                    raise UsageError(f"the loss is {loss} at step {progress.step}, so the run stopped without saving; " + (
+                        f"the last good checkpoint is {kept[-1]}: continue from it with a lower learning rate, e.g. "
+                        f"`finetune resume {run_dir} --learning_rate {cfg.learning_rate / 10:g}`" if kept else
+                        f"no checkpoint was saved: start again with a lower --learning_rate (e.g. {cfg.learning_rate / 10:g})"))
+                progress.epoch_loss_sum += loss
+                progress.epoch_steps += 1
+                if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                    log({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": lr,
+                               "grad_norm": grad_norm, "step_time_s": step_time,
+                               task.throughput_key: throughput_per_step / step_time})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}",
+                                **{task.throughput_key: f"{throughput_per_step / step_time:,.0f}"})
+
+                epoch_end = accelerator.gradient_state.end_of_dataloader
+                if epoch_end:  # from here on, `epoch` counts the finished epochs
+                    epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
+                    progress.epoch += 1
+                    progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
+                    log({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
+                    if schedule_per_epoch:
                         scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-            progress.samples_in_epoch += global_batch
-            if not accelerator.sync_gradients:
-                continue
-
-            # One optimizer step done.
-            progress.step += 1
-            loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
-            window_loss.zero_()
-            window_batches = 0
-            now = time.perf_counter()
-            step_time, step_start = now - step_start, now
-            if not math.isfinite(loss):
-                raise RuntimeError(f"loss is {loss} at step {progress.step}; lower --learning_rate "
-                                   "(the last complete checkpoint is kept)")
-            progress.epoch_loss_sum += loss
-            progress.epoch_steps += 1
-            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                log.write({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": lr,
-                           "grad_norm": grad_norm, "step_time_s": step_time,
-                           task.throughput_key: throughput_per_step / step_time})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}",
-                            **{task.throughput_key: f"{throughput_per_step / step_time:,.0f}"})
-
-            epoch_end = accelerator.gradient_state.end_of_dataloader
-            if epoch_end:  # from here on, `epoch` counts the finished epochs
-                epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
-                progress.epoch += 1
-                progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
-                log.write({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
-                if schedule_per_epoch:
-                    scheduler.step()
-            eval_due = (cfg.eval_every and progress.step % cfg.eval_every == 0) or \
-                (epoch_end and cfg.eval_every_epochs and progress.epoch % cfg.eval_every_epochs == 0)
-            if eval_due and progress.step < total_steps:
-                run_eval()
-            checkpoints.maybe_save(progress, config_yaml, epoch_end=epoch_end)
-            step_start = time.perf_counter()  # eval and checkpoint time is not step time
-            if progress.step >= total_steps:
-                break
-    bar.close()
+                eval_due = (cfg.eval_every and progress.step % cfg.eval_every == 0) or \
+                    (epoch_end and cfg.eval_every_epochs and progress.epoch % cfg.eval_every_epochs == 0)
+                if eval_due and progress.step < total_steps:
+                    run_eval()
+                checkpoints.maybe_save(progress, config_yaml, epoch_end=epoch_end)
+                if stop_requested:
+                    checkpoints.maybe_save(progress, config_yaml, final=True)
+                    raise Stopped(f"{stop.name()} at step {progress.step}; checkpoint {complete_checkpoints(run_dir)[-1]} "
+                                  f"is complete: continue with `finetune resume {run_dir}`", stop.received or 15)
+                step_start = time.perf_counter()  # eval and checkpoint time is not step time
+                if progress.step >= total_steps:
+                    break
     train_time = time.perf_counter() - start
 
     run_eval()
@@ -260,5 +300,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator) -> dict:
     }
     if main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        (run_dir / "summary.md").write_text(summary_markdown(summary, run_dir))
+        if (run_dir / "metrics.jsonl").is_file():
+            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     return summary
