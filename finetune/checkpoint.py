@@ -58,13 +58,17 @@ def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:06d}"
 
 
+def checkpoint_step(checkpoint_dir: Path) -> int:
+    return int(checkpoint_dir.name[len(PREFIX):])
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temp dirs are never listed)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=checkpoint_step)
 
 
 def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path:

@@ -149,7 +149,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
     if args.config:
         raise UsageError("resume takes its config from RUN_DIR/run_config.yaml; pass changes as options, not --config")
-    overrides = {**_overrides(args), "output_dir": args.run_dir, "resume_from_checkpoint": "latest"}
+    overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
     return _run(load_config(run_config, overrides))
 
 

@@ -118,20 +118,20 @@ class TrainConfig:
         if self.max_steps == 0 and self.num_epochs == 0:
             raise UsageError("both --max_steps and --num_epochs are 0; set one of them to how long to train")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}")
+            raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         if not 0.0 < self.validation_split < 1.0:
-            raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}")
+            raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise UsageError(f"--min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
+            raise UsageError(f"--min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}; pass e.g. 0.1")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+                raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)}; pass e.g. 0.9")
         reporters = self.report_to.split(",")
         if not set(reporters) <= set(REPORTERS) or ("none" in reporters and len(reporters) > 1):
             raise UsageError(f"--report_to {self.report_to!r} is not supported; pass jsonl, tensorboard, "
                              "jsonl,tensorboard or none")
         if not 0.0 < self.lr_gamma <= 1.0:
-            raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}")
+            raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler", LR_SCHEDULERS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
@@ -193,7 +193,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         known = {f.name for f in config_fields()}
         for key in loaded:
             if key not in known:
-                raise UsageError(f"unknown key '{key}' in {path}{_suggest(key)}")
+                raise UsageError(f"unknown key '{key}' in {path}{_suggest(key) or '; see finetune train --help for the keys'}")
         values.update(loaded)
     values.update(overrides)
     task = values.get("task", TrainConfig.task)

@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune import models
-from finetune.checkpoint import CheckpointManager, TrainingProgress, complete_checkpoints, resolve_checkpoint
+from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
+                                 resolve_checkpoint)
 from finetune.config import TrainConfig
 from finetune.distributed import (build_accelerator, count_fsdp_units, gather_ints, peak_memory_bytes,
                                   persistent_state_bytes, slow_bf16_warning, verify_sharded)
@@ -75,6 +76,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
         return StepLR(optimizer, step_size=1, gamma=cfg.lr_gamma)
     warmup = cfg.warmup_steps or max(1, total_steps // 20)
     return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
+
+
+def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate: float) -> str:
+    """The weights after step - 1 produced the bad loss, so a checkpoint of
+    that step is not a good one to go back to."""
+    good = [c for c in complete_checkpoints(run_dir) if checkpoint_step(c) < step - 1]
+    lower = f"{learning_rate / 10:g}"
+    if not good:
+        return (f"the loss is {loss} at step {step}, so the run stopped without saving; no earlier checkpoint "
+                f"is usable: start again with a lower --learning_rate (e.g. {lower})")
+    return (f"the loss is {loss} at step {step}, so the run stopped without saving; the newest checkpoint whose "
+            f"weights still gave a finite loss is {good[-1]}: continue from it with a lower learning rate, e.g. "
+            f"`finetune resume {run_dir} "
+            f"--resume_from_checkpoint {good[-1]} --learning_rate {lower}`")
+
+
+def rescale_learning_rate(scheduler, learning_rate: float) -> str | None:
+    """A checkpoint restores the schedule of the old peak learning rate; a
+    resume that passes another --learning_rate scales the whole schedule
+    (what is left of it) to the new peak."""
+    old = scheduler.base_lrs[0]
+    if math.isclose(old, learning_rate, rel_tol=1e-12):
+        return None
+    ratio = learning_rate / old
+    scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+    scheduler._last_lr = [lr * ratio for lr in scheduler.get_last_lr()]
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] *= ratio
+        group["initial_lr"] *= ratio
+    return f"learning rate schedule rescaled from a peak of {old:g} to {learning_rate:g}"
 
 
 def to_float(t: torch.Tensor) -> float:
@@ -168,6 +199,8 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
         if main:  # rows logged after that checkpoint belong to the lost part of the run
             truncate_metrics(run_dir / "metrics.jsonl", progress.step)
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
+        if change := rescale_learning_rate(scheduler.scheduler, cfg.learning_rate):
+            accelerator.print(change)
     accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
                       f"{shards.total_params:,} parameters in {fsdp_units} FSDP unit(s), per rank "
                       f"{shards.local_params_per_rank}; {data.description}; {total_steps} steps")
@@ -231,11 +264,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
                 now = time.perf_counter()
                 step_time, step_start = now - step_start, now
                 if not math.isfinite(loss):
-                    kept = complete_checkpoints(run_dir)
-                    raise UsageError(f"the loss is {loss} at step {progress.step}, so the run stopped without saving; " + (
-                        f"the last good checkpoint is {kept[-1]}: continue from it with a lower learning rate, e.g. "
-                        f"`finetune resume {run_dir} --learning_rate {cfg.learning_rate / 10:g}`" if kept else
-                        f"no checkpoint was saved: start again with a lower --learning_rate (e.g. {cfg.learning_rate / 10:g})"))
+                    raise UsageError(non_finite_loss_message(loss, progress.step, run_dir, cfg.learning_rate))
                 progress.epoch_loss_sum += loss
                 progress.epoch_steps += 1
                 if progress.step % cfg.log_every == 0 or progress.step == total_steps:

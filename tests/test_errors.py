@@ -1,0 +1,272 @@
+"""Every kind of bad input, run as a user runs it: one line naming the problem
+and the fix, exit code 2, no traceback, and the files around it unchanged.
+
+Single-process cases go through `finetune.cli.main` (what the console script
+calls) in this process; the cases that depend on several ranks run under
+`accelerate launch` with 2 processes. The messages seen here are the ones the
+README's troubleshooting section lists (`test_readme_lists_every_message`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
+
+README = REPO / "README.md"
+SEEN: dict[str, str] = {}  # case id -> message, with the test's paths replaced by placeholders
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root with a hash of its content."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_error_line(stderr: str) -> str:
+    """Progress bars may come before it; the output ends with the one error line."""
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower()]
+    assert errors == [lines[-1]] and lines[-1].startswith("error: "), stderr[-3000:]
+    assert "Traceback" not in stderr
+    return lines[-1]
+
+
+def remember(case: str, line: str, tmp_path: Path) -> None:
+    """As the README shows it: the test's paths as DIR, step numbers as N (they vary with timing)."""
+    line = line.replace(str(tmp_path), "DIR")
+    SEEN[case] = re.sub(r"step_\d{6}", "step_NNNNNN", re.sub(r"step \d+", "step N", line))
+
+
+# --- single process -------------------------------------------------------------------------------
+
+def _tiny_text(tmp: Path) -> Path:
+    (tmp / "tiny.txt").write_text("Only a few words here.\n")
+    return tmp / "tiny.txt"
+
+
+def _jsonl_with_body(tmp: Path) -> Path:
+    (tmp / "notes.jsonl").write_text(json.dumps({"body": "some text " * 50}) + "\n")
+    return tmp / "notes.jsonl"
+
+
+def _bad_parquet(tmp: Path) -> Path:
+    (tmp / "broken.parquet").write_bytes(b"this is not parquet" * 10)
+    return tmp / "broken.parquet"
+
+
+def _empty_file(tmp: Path) -> Path:
+    (tmp / "empty.txt").write_text("")
+    return tmp / "empty.txt"
+
+
+def _not_a_model(tmp: Path) -> Path:
+    (tmp / "weights").mkdir()
+    (tmp / "weights" / "model.bin").write_bytes(b"\0" * 16)
+    return tmp / "weights"
+
+
+def _existing_run(tmp: Path) -> Path:
+    (tmp / "run" / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp / "run" / "run_config.yaml").write_text("max_steps: 4\n")
+    (tmp / "run" / "checkpoints" / "step_000004" / "training_progress.json").write_text('{"step": 4}')
+    return tmp / "run"
+
+
+def _images_without_labels(tmp: Path) -> Path:
+    from finetune.data.digits import build_digits
+
+    build_digits()["train"].select(range(64)).remove_columns("label").to_parquet(str(tmp / "images.parquet"))
+    return tmp / "images.parquet"
+
+
+CASES = {
+    "missing data": (lambda t: ["--dataset", str(t / "no_such_file.txt")], "does not exist"),
+    "empty data": (lambda t: ["--dataset", str(_empty_file(t))], "is empty"),
+    "unreadable data": (lambda t: ["--dataset", str(_bad_parquet(t))], "could not read"),
+    "missing text column": (lambda t: ["--dataset", str(_jsonl_with_body(t))], "has no column 'text'"),
+    "missing label column": (lambda t: ["--task", "image-classification", "--dataset", str(_images_without_labels(t))],
+                             "has no column 'label'"),
+    "too little text for one block": (lambda t: ["--dataset", str(_tiny_text(t))], "fewer than one block"),
+    "not a model": (lambda t: ["--model", str(_not_a_model(t))], "is not a model directory"),
+    "model for another task": (lambda t: ["--task", "image-classification", "--model", "tiny-gpt2"],
+                               "is for --task causal-lm"),
+    "another run's output dir": (lambda t: ["--output_dir", str(_existing_run(t))], "already holds a run"),
+    "misspelt option": (lambda t: ["--learning_rte", "0.1"], "did you mean --learning_rate?"),
+    "value out of range": (lambda t: ["--validation_split", "1.5"], "--validation_split must be between 0 and 1"),
+    "wrong type": (lambda t: ["--max_steps", "ten"], "max_steps: expected int"),
+    "unknown report_to": (lambda t: ["--report_to", "wandb"], "--report_to 'wandb' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_single_process(case, tmp_path):
+    make_args, expected = CASES[case]
+    args = make_args(tmp_path)
+    if "--output_dir" not in args:
+        args += ["--output_dir", str(tmp_path / "out")]
+    if "--max_steps" not in args:
+        args += ["--max_steps", "2"]  # short, should a case ever train
+    before = snapshot(tmp_path)
+    proc = run_in_process("train", *args)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert expected in line and "; " in line, line  # the problem; then the fix
+    assert snapshot(tmp_path) == before  # nothing written, nothing changed, no half-made run dir
+    remember(case, line, tmp_path)
+
+
+def test_config_file_with_an_unknown_key(tmp_path):
+    (tmp_path / "run.yaml").write_text("max_steps: 2\nlearning_rte: 0.1\n")
+    proc = run_in_process("train", "--config", tmp_path / "run.yaml", "--output_dir", tmp_path / "out")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "unknown key 'learning_rte'" in line and "did you mean 'learning_rate'?" in line
+    assert not (tmp_path / "out").exists()
+    remember("unknown key in --config", line, tmp_path)
+
+
+@pytest.mark.parametrize("config, env_vars, expected", [
+    ("fsdp1.yaml", {"FSDP_VERSION": "1"}, "fsdp_version: 1 (FSDP1) needs a GPU"),
+    ("fsdp_offload.yaml", {"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params: true (CPU offload) needs a GPU"),
+])
+def test_accelerate_config_this_machine_cannot_run(config, env_vars, expected, tmp_path, monkeypatch):
+    """The environment `accelerate launch --config_file fsdp1.yaml|fsdp_offload.yaml` gives each rank."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for key, value in env_vars.items():
+        monkeypatch.setenv(key, value)
+    proc = run_in_process("train", "--output_dir", tmp_path / "out")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert expected in line and "accelerate_configs/fsdp.yaml" in line
+    assert not (tmp_path / "out").exists()
+    remember(f"{config} on a machine without GPUs", line, tmp_path)
+
+
+def test_more_processes_than_gpus(tmp_path, monkeypatch):
+    """As on a 1-GPU machine launched with --num_processes 2."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    proc = run_in_process("train", "--output_dir", tmp_path / "out")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "2 processes on this machine but only 1 GPU(s); pass --num_processes 1" in line
+    assert not (tmp_path / "out").exists()
+    remember("more processes than GPUs", line, tmp_path)
+
+
+# --- under accelerate launch ----------------------------------------------------------------------
+
+def launched_error(proc: subprocess.CompletedProcess) -> str:
+    """Rank 0's line. (torchrun's launcher then adds its own report of the failed ranks and exits 1.)"""
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1, proc.stderr[-3000:]  # printed once, not once per rank
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]  # no rank died with a traceback
+    return errors[0][errors[0].index("error: "):]
+
+
+@pytest.mark.slow
+def test_too_little_data_for_one_batch_on_every_rank(tmp_path, env, small_corpus):
+    text = small_corpus.read_text()[:2500]  # 5-6 blocks of 64 tokens: less than 2 ranks x 4
+    (tmp_path / "small.txt").write_text(text)
+    args = [*common_args(tmp_path / "small.txt"), "--validation_split", "0.3", "--max_steps", "2",
+            "--output_dir", str(tmp_path / "out")]
+    before = snapshot(tmp_path)
+    line = launched_error(run_cli(["train", *args], env, mixed_precision="no"))
+    assert "training samples are fewer than one batch on every rank (4 x 2)" in line
+    assert snapshot(tmp_path) == before
+    remember("too little data for one batch on every rank", line, tmp_path)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(checkpointed_run, tmp_path, env):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir)
+    before = snapshot(run_dir / "checkpoints")
+    final_before = snapshot(run_dir / "final")
+    proc = run_cli(["resume", str(run_dir), "--max_steps", "20", "--checkpoint_every", "1",
+                    "--learning_rate", "1e6"], env, mixed_precision="no")
+    line = launched_error(proc)
+    # Step 13 starts from the step-12 weights, so its loss is finite; its update blows up. The checkpoint of
+    # step S - 1 holds the weights that made the NaN at step S, so step S - 2 is the one to go back to.
+    nan_step = int(re.search(r"the loss is nan at step (\d+),", line).group(1))
+    assert nan_step >= 14, line
+    assert all(math.isfinite(r["loss"]) for r in train_rows(run_dir))
+    assert [r["step"] for r in train_rows(run_dir)][-1] == nan_step - 1  # the bad step is not logged
+    good = run_dir / "checkpoints" / f"step_{nan_step - 2:06d}"
+    assert f"the newest checkpoint whose weights still gave a finite loss is {good}" in line
+    assert f"--resume_from_checkpoint {good} --learning_rate 100000" in line
+    assert "learning rate schedule rescaled from a peak of 0.003 to 1e+06" in proc.stdout  # the override took effect
+    # Checkpoints written after the resume (every step) stop before the bad step; nothing older changed.
+    after = snapshot(run_dir / "checkpoints")
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+        ["step_000006", "step_000012"] + [f"step_{s:06d}" for s in range(13, nan_step)]
+    assert snapshot(run_dir / "final") == final_before
+    remember("NaN loss", line, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_leaves_a_resumable_checkpoint(tmp_path, env, small_corpus):
+    run_dir = tmp_path / "run"
+    args = ["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "25",
+            "--output_dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "-m", "finetune", *args]
+    launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoints" / "step_000025").is_dir():  # mid-run, after a first checkpoint
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=120)
+
+    stopped = [line for line in err.splitlines() if "stopped: SIGTERM at step" in line]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(re.search(r"at step (\d+)", stopped[0]).group(1))
+    assert 25 <= step < 400
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints[-1] == f"step_{step:06d}" and not any(p.startswith(".tmp") for p in checkpoints)
+    assert not (run_dir / "final").exists()
+
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", str(step + 3)], env, mixed_precision="no"))
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, step + 4))  # every step logged once
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 3
+    remember("SIGTERM or Ctrl-C", stopped[0][stopped[0].index("stopped: "):], tmp_path)
+
+
+# --- the README ----------------------------------------------------------------------------------
+
+def test_readme_lists_every_message():
+    """Runs last in this file: every message seen above, as the troubleshooting
+    section shows it. FINETUNE_UPDATE_README=1 rewrites the section instead."""
+    if len(SEEN) < len(CASES) + 7:  # the table above and the seven tests after it
+        pytest.skip("run the whole file to compare the README")
+    text = README.read_text()
+    start = text.index("<!-- troubleshooting:start -->")
+    end = text.index("<!-- troubleshooting:end -->")
+    rows = "".join(f"| {case} | {message.replace('|', '&#124;')} |\n" for case, message in sorted(SEEN.items()))
+    section = "<!-- troubleshooting:start -->\n| situation | what finetune says |\n| --- | --- |\n" + rows
+    if os.environ.get("FINETUNE_UPDATE_README"):
+        README.write_text(text[:start] + section + text[end:])
+        return
+    assert text[start:end] == section, "README troubleshooting is stale: FINETUNE_UPDATE_README=1 bash scripts/test.sh tests/test_errors.py"
