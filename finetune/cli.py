@@ -46,13 +46,22 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):
-            unknown = next((a for a in message.split()[2:] if a.startswith("--")), "")
-            options = [f"--{f.name}" for f in config_fields()] + ["--config"]
-            close = difflib.get_close_matches(unknown.split("=")[0], options, n=1)
-            if close:
-                message = f"unknown option {unknown}; did you mean {close[0]}?"
         raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse, naming the subcommand's help (and the closest option) for unknown options."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        subcommand = parser._subparsers._group_actions[0].choices[args.command]
+        options = [o for action in subcommand._actions for o in action.option_strings if o.startswith("--")]
+        first = next((a for a in unknown if a.startswith("--")), unknown[0])
+        close = difflib.get_close_matches(first.split("=")[0], options, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        what = "unknown option" if first.startswith("-") else "unexpected argument"
+        raise UsageError(f"{what} {first}{hint}; see `finetune {args.command} --help`")
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +241,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         return args.func(args)
     except UsageError as e:
         if is_rank_zero():

@@ -31,7 +31,7 @@ def cnn_run(tmp_path_factory, env) -> Path:
     """3 epochs, fp32 (fsdp_cnn.yaml), a checkpoint after epoch 2 and at the end."""
     run_dir = tmp_path_factory.mktemp("cnn") / "run"
     proc = run_cli(["train", *CNN_ARGS, "--num_epochs", "3", "--checkpoint_every_epochs", "2",
-                    "--output_dir", str(run_dir)], env, config="fsdp_cnn.yaml")
+                    "--report_to", "jsonl,tensorboard", "--output_dir", str(run_dir)], env, config="fsdp_cnn.yaml")
     check_ok(proc)
     assert "validation accuracy:" in proc.stdout
     return run_dir
@@ -112,3 +112,16 @@ def test_export_then_evaluate_gives_the_training_accuracy(cnn_run, tmp_path):
     assert result["num_samples"] == 360
     assert result["accuracy"] == trained["accuracy"]
     assert math.isclose(result["eval_loss"], trained["eval_loss"], rel_tol=1e-4)
+
+
+def test_tensorboard_gets_the_same_metrics_as_the_jsonl(cnn_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((cnn_run / "tensorboard").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    rows = read_jsonl(cnn_run / "metrics.jsonl")
+    for tag in ("loss", "lr", "epoch_loss", "accuracy"):
+        expected = [(r["step"], r[tag]) for r in rows if tag in r]
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in logged] == [s for s, _ in expected] and expected, tag
+        assert all(math.isclose(v, w, rel_tol=1e-6) for (_, v), (_, w) in zip(logged, expected)), tag

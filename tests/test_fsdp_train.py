@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
-from conftest import check_ok, dcp_elements_per_file, eval_rows, run_cli, train_rows
+from conftest import check_ok, common_args, dcp_elements_per_file, eval_rows, run_cli, run_in_process, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -188,3 +188,24 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tmp_path, env, small_cor
     first = train_rows(tmp_path / "run")[0]
     assert first["loss"] == pytest.approx(expected, abs=1e-5)
     assert (tmp_path / "run" / "final" / "tokenizer.json").is_file()
+
+
+def test_summary_md_says_how_the_run_went(fsdp_run):
+    facts = json.loads((fsdp_run / "summary.json").read_text())
+    text = (fsdp_run / "summary.md").read_text()
+    assert "FSDP on 2 process(es), FSDP2 with" in text
+    assert ", ".join(f"{n:,}" for n in facts["local_params_per_rank"]) in text
+    first, last = facts["first_eval"]["perplexity"], facts["last_eval"]["perplexity"]
+    assert f"Validation perplexity: {first:.4f} -> {last:.4f}" in text
+    assert facts["final_model_dir"] in text
+
+
+def test_report_to_none_keeps_the_summaries_only(tmp_path, small_corpus):
+    """One process, unlaunched, in this process."""
+    run_dir = tmp_path / "run"
+    proc = run_in_process("train", *common_args(small_corpus), "--max_steps", "2", "--report_to", "none",
+                          "--output_dir", run_dir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / "summary.json").is_file() and (run_dir / "summary.md").is_file()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "loss.png").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2

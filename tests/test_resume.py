@@ -80,6 +80,9 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
                     str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no")
     check_ok(proc)
     assert f"checkpoint written by 2 rank(s), resuming on {world_size}" in proc.stdout
+    # Only the rank that had no saved RNG stream says so, prefixed with its rank.
+    rng_warnings = [line for line in proc.stderr.splitlines() if "no RNG state for this rank" in line]
+    assert [w.split("]")[0] for w in rng_warnings] == (["[rank 2"] if world_size == 3 else []), rng_warnings
     resaved = run_dir / "checkpoints" / "step_000006"
     assert len(list((resaved / "pytorch_model_fsdp_0").glob("*.distcp"))) == world_size
     for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
