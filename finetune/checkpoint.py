@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -137,8 +137,9 @@ def saved_name(param_name: str) -> str:
     return param_name
 
 
-def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
-    """The checkpoint was written for this architecture and size."""
+def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: bool) -> None:
+    """The checkpoint was written for this architecture and size, and in the
+    layout this run reads (FSDP shards, or one file)."""
     stored = saved_shapes(checkpoint_dir)
     for live_name, param in model.named_parameters():
         name = saved_name(live_name)
@@ -148,6 +149,12 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module) -> None:
         if tuple(param.shape) != stored[name]:
             raise UsageError(f"checkpoint {checkpoint_dir} does not fit the model: {name} is {list(stored[name])} "
                              f"in the checkpoint and {list(param.shape)} in the model; resume with the run's own --model")
+    if (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and not sharded_run:
+        raise UsageError(f"{checkpoint_dir} holds FSDP shards and this run is not FSDP; resume it under "
+                         "`accelerate launch --config_file accelerate_configs/fsdp.yaml` (any --num_processes)")
+    if not (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and sharded_run:
+        raise UsageError(f"{checkpoint_dir} was written without FSDP and this run is FSDP; resume it with the "
+                         "accelerate config it was trained with, or start from its export with --model")
     if (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
         check_dcp_files(checkpoint_dir / OPTIMIZER_SHARDS_DIR)
 
@@ -209,7 +216,7 @@ class CheckpointManager:
 
     def load(self, checkpoint_dir: Path, model: torch.nn.Module, seed: int) -> TrainingProgress:
         acc = self.accelerator
-        check_compatible(checkpoint_dir, acc.unwrap_model(model))
+        check_compatible(checkpoint_dir, acc.unwrap_model(model), acc.distributed_type == DistributedType.FSDP)
         progress = read_progress(checkpoint_dir)
         start = time.perf_counter()
         acc.load_state(str(checkpoint_dir))

@@ -164,11 +164,6 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
                          "--per_device_batch_size" + ("/--block_size" if task.name == "causal-lm" else ""))
-    if main:
-        (run_dir / "run_config.yaml").write_text(config_yaml)
-        if not resume_from:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    accelerator.init_trackers("tensorboard", config=cfg.to_dict())
     model = data.model
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
@@ -201,6 +196,12 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
         accelerator.print(f"resumed from {resume_from} at step {progress.step}")
         if change := rescale_learning_rate(scheduler.scheduler, cfg.learning_rate):
             accelerator.print(change)
+    # Everything is checked: from here on the run writes into its dir.
+    if main:
+        (run_dir / "run_config.yaml").write_text(config_yaml)
+        if not resume_from:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    accelerator.init_trackers("tensorboard", config=cfg.to_dict())
     accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
                       f"{shards.total_params:,} parameters in {fsdp_units} FSDP unit(s), per rank "
                       f"{shards.local_params_per_rank}; {data.description}; {total_steps} steps")

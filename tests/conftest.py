@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -133,3 +135,56 @@ def checkpointed_run(tmp_path_factory, env, small_corpus) -> Path:
                     "--output_dir", str(run_dir)], env, mixed_precision="no")
     check_ok(proc)
     return run_dir
+
+
+# --- the README's commands ------------------------------------------------------------------------
+
+# What the README test leaves out, and why: the set-up scripts (CI runs test.sh;
+# quickstart takes minutes), Hub ids (no network here), placeholder paths, a
+# second machine (test_multinode_on_one_machine runs that config), an elision.
+README_SKIPPED = ("bash scripts/", "--model gpt2 ", "path/to/", "--machine_rank", " ... ")
+
+
+def readme_commands() -> list[str]:
+    """Every command in the README's bash blocks, continuation lines joined, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(re.sub(r"\s+", " ", command))
+    return commands
+
+
+@pytest.fixture(scope="session")
+def readme_workdir(tmp_path_factory, env) -> Path:
+    """Runs the README's commands in order in a fresh dir, as a user would copy them:
+    `accelerate launch` for real (in fp32 on CPUs without native bf16, as the
+    quickstart does), `finetune ...` through the console script's `main`."""
+    from contextlib import chdir
+
+    from finetune.distributed import cpu_has_native_bf16
+
+    work = tmp_path_factory.mktemp("readme")
+    (work / "accelerate_configs").symlink_to(CONFIGS)
+    for command in readme_commands():
+        if any(marker in command for marker in README_SKIPPED):
+            continue
+        words = shlex.split(command)
+        if words[:2] == ["accelerate", "launch"]:
+            extra = ["--main_process_port", str(free_port())]
+            if not cpu_has_native_bf16() and "--mixed_precision" not in words:
+                extra += ["--mixed_precision", "no"]
+            proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *extra, *words[2:]],
+                                  env=env, cwd=work, capture_output=True, text=True, timeout=300)
+        elif words[0] == "finetune":
+            with chdir(work):
+                proc = run_in_process(*words[1:])
+        elif words[0] == "python":
+            proc = subprocess.run([sys.executable, *words[1:]], env=env, cwd=work, capture_output=True, text=True)
+        else:
+            raise AssertionError(f"the README test does not know how to run: {command}")
+        check_ok(proc)
+        (work / "commands.log").open("a").write(f"$ {command}\n{proc.stdout}\n")
+    return work

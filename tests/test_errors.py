@@ -171,6 +171,45 @@ def test_more_processes_than_gpus(tmp_path, monkeypatch):
     remember("more processes than GPUs", line, tmp_path)
 
 
+def test_checkpoint_of_another_model(checkpointed_run, tmp_path, small_corpus):
+    saved = checkpointed_run / "checkpoints" / "step_000006"
+    before = snapshot(checkpointed_run)
+    proc = run_in_process("train", *common_args(small_corpus), "--model", "small-gpt2", "--max_steps", "8",
+                          "--resume_from_checkpoint", saved, "--output_dir", tmp_path / "other")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "transformer.wte.weight is [2048, 64] in the checkpoint and [4096, 128] in the model" in line
+    assert snapshot(checkpointed_run) == before and not (tmp_path / "other").exists()
+    remember("a checkpoint of another model", line.replace(str(checkpointed_run), "RUN"), tmp_path)
+
+
+def test_fsdp_checkpoint_without_fsdp(checkpointed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir)
+    before = snapshot(run_dir)
+    proc = run_in_process("resume", run_dir, "--max_steps", "14")  # unlaunched: one process, no FSDP
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "holds FSDP shards and this run is not FSDP; resume it under `accelerate launch" in line
+    assert snapshot(run_dir) == before
+    remember("an FSDP checkpoint resumed without FSDP", line, tmp_path)
+
+
+def test_damaged_checkpoint(checkpointed_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000012")
+    shard = run_dir / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    before = snapshot(run_dir)
+    proc = run_in_process("resume", run_dir)
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "__1_0.distcp is truncated (1000 of" in line and "resume from an earlier one" in line
+    assert snapshot(run_dir) == before
+    remember("a damaged checkpoint", re.sub(r"of \d+ bytes", "of N bytes", line), tmp_path)
+
+
 # --- under accelerate launch ----------------------------------------------------------------------
 
 def launched_error(proc: subprocess.CompletedProcess) -> str:
@@ -259,7 +298,7 @@ def test_sigterm_to_the_launcher_leaves_a_resumable_checkpoint(tmp_path, env, sm
 def test_readme_lists_every_message():
     """Runs last in this file: every message seen above, as the troubleshooting
     section shows it. FINETUNE_UPDATE_README=1 rewrites the section instead."""
-    if len(SEEN) < len(CASES) + 7:  # the table above and the seven tests after it
+    if len(SEEN) < len(CASES) + 10:  # the table above and the ten tests after it
         pytest.skip("run the whole file to compare the README")
     text = README.read_text()
     start = text.index("<!-- troubleshooting:start -->")

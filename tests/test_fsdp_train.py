@@ -129,7 +129,7 @@ def test_two_rank_fsdp_matches_one_process(tmp_path, env, small_corpus):
     two = run_cli(common + ["--per_device_batch_size", "4", "--output_dir", str(tmp_path / "two")], env,
                   mixed_precision="no")
     check_ok(two)
-    one = run_cli(common + ["--per_device_batch_size", "8", "--output_dir", str(tmp_path / "one")], env, nproc=None)
+    one = run_in_process(*common, "--per_device_batch_size", "8", "--output_dir", tmp_path / "one")  # unlaunched
     check_ok(one)
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["distributed_type"] == "FSDP"
     assert json.loads((tmp_path / "one" / "summary.json").read_text())["distributed_type"] == "NO"
