@@ -16,6 +16,15 @@ Suite `baselines`: one process, same model, same blocks, same batch and
 precision: our loop (`python -m finetune train`) against the Hugging Face
 `Trainer`, the tool most users would otherwise reach for, and our loop in bf16
 against fp32. Reported: median step time and tokens/s, and their ratios.
+
+Both suites report model FLOPs utilisation: training FLOPs per token (6 x
+parameters + 12 x layers x width x block, as nanoGPT counts them) times
+tokens/s, over the device's matmul peak measured in this same invocation (the
+faster of fp32 and bf16, per thread, times the cores the case uses; accelerate
+launch gives each process one thread).
+
+`--only NAME` runs the cases whose config or name contains NAME (the test suite
+runs `--quick --suite configs --only single` so this script cannot rot).
 """
 
 from __future__ import annotations
@@ -53,6 +62,47 @@ def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str,
         sys.exit(f"{config} failed:\n{proc.stderr[-3000:]}")
 
 
+def matmul_peak_flops(threads: int, dtype_name: str, n: int = 512, seconds: float = 0.5) -> float:
+    """FLOP/s of an n x n matmul on this machine with this many threads, timed
+    over about `seconds` (slow dtypes get fewer repetitions)."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or reps == 0:
+        a @ b
+        reps += 1
+    torch.set_num_threads(previous)
+    return 2 * n**3 * reps / elapsed
+
+
+def train_flops_per_token(model: str, block_size: int, total_params: int) -> float:
+    from finetune import models
+
+    shape = models.GPT2_PRESETS[model]
+    return 6 * total_params + 12 * shape["n_layer"] * shape["n_embd"] * block_size
+
+
+def mfu(result: dict, args, cores: int, peaks: dict) -> float:
+    """Model FLOPs utilisation against the device's peak: the faster of the fp32
+    and bf16 matmul, per thread, times the cores the case uses. (On CPUs without
+    native bf16 the bf16 matmul is far slower, so bf16 runs show what they waste.)"""
+    for dtype in ("no", "bf16"):
+        if dtype not in peaks:
+            peaks[dtype] = matmul_peak_flops(1, dtype)
+    flops = train_flops_per_token(args.model, args.block_size, result["total_params"]) * result["tokens_per_sec"]
+    return flops / (max(peaks.values()) * cores)
+
+
+def peaks_line(peaks: dict) -> str:
+    return "matmul peak per core, measured in this run (512 x 512, FLOP/s): " + \
+        ", ".join(f"{'fp32' if dtype == 'no' else dtype} {flops:,.0f}" for dtype, flops in peaks.items())
+
+
 def measure(run_dir: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -70,9 +120,11 @@ def measure(run_dir: Path) -> dict:
 
 
 def suite_configs(args) -> tuple[list[dict], str]:
-    results = []
+    results, peaks = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for config, nproc in CPU_CONFIGS.items():
+            if args.only and args.only not in config:
+                continue
             # The same global batch everywhere: 1 process takes both ranks' share.
             batch = args.batch * 2 // nproc
             run_dir = Path(tmp) / config
@@ -81,17 +133,23 @@ def suite_configs(args) -> tuple[list[dict], str]:
                           "--max_eval_batches", "1", "--sample_prompt", "", "--output_dir", str(run_dir)]
             print(f"[bench] {config} on {nproc} process(es)", flush=True)
             launch(config, nproc, train_args, args.mixed_precision)
-            results.append({"config": config, **measure(run_dir)})
-    ddp = next(r for r in results if r["config"] == "ddp.yaml")
+            result = {"config": config, **measure(run_dir)}
+            result["mfu"] = mfu(result, args, cores=nproc, peaks=peaks)
+            results.append(result)
+    ddp = next((r for r in results if r["config"] == "ddp.yaml"), results[0])
     lines = [f"model {args.model}, {args.steps} steps, global batch {args.batch * 2} x {args.block_size} tokens, "
              f"mixed_precision {args.mixed_precision}", "",
-             "| config | type | ranks | step time (s) | vs DDP | peak memory per rank (bytes) | state per rank (bytes) | state vs DDP |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"ratios against {ddp['config']}; MFU against the measured matmul peak of the cores each case uses", "",
+             "| config | type | ranks | step time (s) | vs DDP | tokens/s | MFU | peak memory per rank (bytes) | "
+             "state per rank (bytes) | state vs DDP |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r['config']} | {r['distributed_type']} | {r['world_size']} | {r['step_time_s']:.3f} | "
-                     f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {', '.join(map(str, r['peak_memory_bytes_per_rank']))} | "
+                     f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {r['tokens_per_sec']:,.0f} | {r['mfu']:.1%} | "
+                     f"{', '.join(map(str, r['peak_memory_bytes_per_rank']))} | "
                      f"{', '.join(map(str, r['state_bytes_per_rank']))} | "
                      f"{max(r['state_bytes_per_rank']) / max(ddp['state_bytes_per_rank']):.2f} |")
+    lines += ["", peaks_line(peaks)]
     return results, "\n".join(lines)
 
 
@@ -137,7 +195,8 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
 
 def suite_baselines(args) -> tuple[list[dict], str]:
     """1 process, global batch = args.batch * 2, the same for every case."""
-    results = []
+    results, peaks = [], {}
+    cores = os.cpu_count()
     with tempfile.TemporaryDirectory() as tmp:
         for mixed_precision in ("no", "bf16"):
             run_dir = Path(tmp) / f"ours-{mixed_precision}"
@@ -147,28 +206,35 @@ def suite_baselines(args) -> tuple[list[dict], str]:
             print(f"[bench] finetune loop, 1 process, {mixed_precision}", flush=True)
             # All cores, as the in-process Trainer has.
             launch("single.yaml", 1, train_args, mixed_precision, threads=os.cpu_count())
-            results.append({"case": f"finetune loop ({mixed_precision})", **measure(run_dir)})
+            result = {"case": f"finetune loop ({mixed_precision})", **measure(run_dir)}
+            result["mfu"] = mfu(result, args, cores, peaks)
+            results.append(result)
             if mixed_precision == "no" or args.trainer_bf16:
                 print(f"[bench] HF Trainer, 1 process, {mixed_precision}", flush=True)
                 times = trainer_step_times(run_dir, args, mixed_precision)[1:]
                 step = statistics.median(times)
-                results.append({"case": f"HF Trainer ({mixed_precision})", "step_time_s": step,
-                                "tokens_per_sec": args.batch * 2 * args.block_size / step})
+                result = {"case": f"HF Trainer ({mixed_precision})", "step_time_s": step,
+                          "tokens_per_sec": args.batch * 2 * args.block_size / step,
+                          "total_params": results[-1]["total_params"]}
+                result["mfu"] = mfu(result, args, cores, peaks)
+                results.append(result)
     by_case = {r["case"]: r for r in results}
     ours, trainer = by_case["finetune loop (no)"], by_case["HF Trainer (no)"]
     lines = [f"model {args.model}, {args.steps} steps, batch {args.batch * 2} x {args.block_size} tokens, 1 process", "",
-             "| case | step time (s) | tokens/s | tokens/s vs HF Trainer (fp32) |", "| --- | --- | --- | --- |"]
+             "| case | step time (s) | tokens/s | tokens/s vs HF Trainer (fp32) | MFU |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} | "
-                     f"{r['tokens_per_sec'] / trainer['tokens_per_sec']:.2f} |")
+                     f"{r['tokens_per_sec'] / trainer['tokens_per_sec']:.2f} | {r['mfu']:.1%} |")
     lines += ["", f"our loop / HF Trainer, fp32: {ours['tokens_per_sec'] / trainer['tokens_per_sec']:.2f}x tokens/s",
-              f"our loop bf16 / fp32: {by_case['finetune loop (bf16)']['tokens_per_sec'] / ours['tokens_per_sec']:.2f}x tokens/s"]
+              f"our loop bf16 / fp32: {by_case['finetune loop (bf16)']['tokens_per_sec'] / ours['tokens_per_sec']:.2f}x tokens/s",
+              peaks_line(peaks)]
     return results, "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines"], default="configs")
+    parser.add_argument("--suite", choices=["configs", "baselines"], default=None,
+                        help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
     parser.add_argument("--model", default="small-gpt2")
@@ -178,6 +244,7 @@ def main() -> None:
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
     parser.add_argument("--output_dir", default=str(REPO / "outputs" / "bench"))
+    parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -186,7 +253,7 @@ def main() -> None:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in (suites if args.quick else [args.suite]):
+    for name in ([args.suite] if args.suite else list(suites) if args.quick else ["configs"]):
         results, table = suites[name](args)
         (out / f"{name}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         (out / f"{name}.md").write_text(table + "\n")

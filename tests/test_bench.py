@@ -1,0 +1,29 @@
+"""scripts/bench.py's smallest quick case, so the benchmark cannot rot. (The
+figures themselves come from full runs of the script, not from tests.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, check_ok
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--suite", "configs", "--only", "single",
+                           "--dataset", str(small_corpus), "--block_size", "64", "--output_dir", str(tmp_path)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    [result] = json.loads((tmp_path / "configs.json").read_text())["results"]
+    assert result["config"] == "single.yaml" and result["world_size"] == 1
+    # fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter, nothing else.
+    assert result["state_bytes_per_rank"] == [16 * result["total_params"]]
+    assert result["step_time_s"] > 0 and result["peak_memory_bytes_per_rank"][0] > 0
+    assert 0 < result["mfu"] < 1
+    table = (tmp_path / "configs.md").read_text()
+    assert "| single.yaml | NO | 1 |" in table and "matmul peak per core" in table
