@@ -24,7 +24,7 @@ def test_readme_has_the_commands_this_test_runs():
 def test_readme_training_resuming_and_export(readme_workdir):
     run_dir = readme_workdir / "outputs" / "my-run"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["distributed_type"] == "FSDP" and summary["steps"] == 60  # trained to 40, resumed to 60
+    assert summary["distributed_type"] == "FSDP" and summary["steps"] == 40  # trained to 30, resumed to 40
     assert (run_dir / "checkpoints" / "step_000020").is_dir()
     assert (readme_workdir / "my-model" / "model.safetensors").is_file()
     assert json.loads((readme_workdir / "m" / "config.json").read_text())["dtype"] == "bfloat16"
