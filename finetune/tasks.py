@@ -34,13 +34,34 @@ class TaskData:
     description: str                            # "1437 train / 360 validation images of 28x28"
 
 
-class CausalLM:
-    name = "causal-lm"
-    metric_name = "perplexity"
-    throughput_key = "tokens_per_sec"
+class Task:
+    """The four things the loop asks of a task; `units_per_sample` turns
+    samples/s into the throughput unit (tokens for text)."""
+
+    name: str
+    metric_name: str
+    throughput_key: str
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+
+    def units_per_sample(self) -> int:
+        return 1
+
+    def build(self, accelerator: Accelerator, run_dir: Path) -> TaskData:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model, loader, accelerator: Accelerator, metric) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CausalLM(Task):
+    name = "causal-lm"
+    metric_name = "perplexity"
+    throughput_key = "tokens_per_sec"
 
     def units_per_sample(self) -> int:
         return self.cfg.block_size
@@ -96,16 +117,10 @@ class CausalLM:
         return evaluate_perplexity(model, loader, accelerator, metric, self.cfg.max_eval_batches)
 
 
-class ImageClassification:
+class ImageClassification(Task):
     name = "image-classification"
     metric_name = "accuracy"
     throughput_key = "samples_per_sec"
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
-    def units_per_sample(self) -> int:
-        return 1
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> TaskData:
         cfg = self.cfg
@@ -142,6 +157,6 @@ class ImageClassification:
 TASK_CLASSES = {task.name: task for task in (CausalLM, ImageClassification)}
 
 
-def build_task(cfg: TrainConfig) -> CausalLM | ImageClassification:
+def build_task(cfg: TrainConfig) -> Task:
     return TASK_CLASSES[cfg.task](cfg)
 
