@@ -60,7 +60,7 @@ def write_model_files(target: Path, config: PretrainedConfig, tokenizer: PreTrai
     """Everything of a model dir but its weights: config, generation config
     (generative models only), tokenizer (text models only)."""
     config.save_pretrained(target)
-    if meta_model(config).can_generate():
+    if models.task_of_config(config) == "causal-lm":  # the generative models this tool trains
         (generation_config or GenerationConfig.from_model_config(config)).save_pretrained(target)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)

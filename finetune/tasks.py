@@ -41,6 +41,7 @@ class Task:
     name: str
     metric_name: str
     throughput_key: str
+    batch_size_options = "--per_device_batch_size"  # what shrinks one batch, for the too-little-data error
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -62,6 +63,7 @@ class CausalLM(Task):
     name = "causal-lm"
     metric_name = "perplexity"
     throughput_key = "tokens_per_sec"
+    batch_size_options = "--per_device_batch_size/--block_size"
 
     def units_per_sample(self) -> int:
         return self.cfg.block_size

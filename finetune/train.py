@@ -136,9 +136,9 @@ def train(cfg: TrainConfig) -> dict:
         with StopSignals() as stop:
             return _train(cfg, accelerator, stop)
     except UsageError:
-        # Bad input found before the first evaluation leaves no half-made run dir behind.
-        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "metrics.jsonl").exists() \
-                and not complete_checkpoints(run_dir):
+        # Bad input found before the run started writing (run_config.yaml comes
+        # first) leaves no half-made run dir behind.
+        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     finally:
@@ -163,7 +163,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
     if len(data.train) < global_batch:
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
-                         "--per_device_batch_size" + ("/--block_size" if task.name == "causal-lm" else ""))
+                         f"{task.batch_size_options}")
     model = data.model
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
     eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
@@ -185,6 +185,7 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
     hf_config = accelerator.unwrap_model(model).config
     checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.checkpoint_every_epochs,
                                     cfg.keep_last, lambda target: write_model_files(target, hf_config, data.tokenizer))
+
     def log(row: dict) -> None:
         accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 

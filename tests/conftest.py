@@ -186,5 +186,6 @@ def readme_workdir(tmp_path_factory, env) -> Path:
         else:
             raise AssertionError(f"the README test does not know how to run: {command}")
         check_ok(proc)
-        (work / "commands.log").open("a").write(f"$ {command}\n{proc.stdout}\n")
+        with (work / "commands.log").open("a") as log:
+            log.write(f"$ {command}\n{proc.stdout}\n")
     return work

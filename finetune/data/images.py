@@ -29,8 +29,7 @@ def _load_local(path: Path) -> DatasetDict:
     if not parquet and not images:
         raise UsageError(f"--dataset {path} holds no .parquet files or images; point it at a parquet file, "
                          "a dir of them, or an image folder with one sub-directory per class")
-    if any(p.stat().st_size == 0 for p in parquet or images):
-        empty = next(p for p in parquet or images if p.stat().st_size == 0)
+    if empty := next((p for p in parquet or images if p.stat().st_size == 0), None):
         raise UsageError(f"--dataset {path}: {empty} is empty; remove it or write the data again")
     try:
         if parquet:
