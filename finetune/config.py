@@ -95,6 +95,8 @@ class TrainConfig:
     checkpoint_every_epochs: int = _opt(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)")
     keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
     resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from")
+    profile_steps: int = _opt(0, "record N optimizer steps (after 2 warm-up steps) with torch.profiler into "
+                              "RUN_DIR/profile/ (0 = no profiling)")
     sample_prompt: str = _opt("The", "prompt for the sample printed from the final causal LM ('' = no sample)")
     overwrite: bool = _opt(False, "allow writing into an output_dir that already holds another run")
 
@@ -108,7 +110,7 @@ class TrainConfig:
     def validate(self) -> None:
         positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
-                        "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
+                        "profile_steps", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")

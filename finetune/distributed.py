@@ -12,6 +12,7 @@ and `prepare` shards the model exactly as it would on GPUs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -86,6 +87,24 @@ def restore_cpu_state() -> None:
         state.distributed_type = DistributedType.MULTI_CPU
 
 
+def keep_freed_memory_in_process() -> None:
+    """On CPU every step allocates and frees the same activation and gradient
+    buffers. glibc returns large freed blocks to the OS (mmap/munmap, heap
+    trimming), so each step page-faults them in again: a fifth of the step time
+    of small models. Raising the thresholds (to glibc's maxima) keeps them in
+    the heap for reuse, as the CUDA caching allocator does on GPUs."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): leave the allocator alone
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+    libc.mallopt(m_trim_threshold, 2**30)
+    libc.mallopt(m_top_pad, 64 * 1024 * 1024)
+
+
 def check_processes_fit_devices() -> None:
     """One process per GPU: more would share a GPU (and NCCL refuses that)."""
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -120,6 +139,8 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     check_processes_fit_devices()
     check_fsdp_options_supported_here()
     on_cpu = not has_accelerator_device()
+    if on_cpu:
+        keep_freed_memory_in_process()
     if on_cpu and fsdp_requested():
         enable_fsdp_on_cpu()
     elif on_cpu and launched_world_size() > 1:

@@ -21,13 +21,24 @@ def load_metric(name: str, accelerator: Accelerator) -> evaluate.EvaluationModul
         return evaluate.load(str(MODULES_DIR / name), keep_in_memory=True)
 
 
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """Targets for every position: the next token, ignored (-100) at the last.
+    Shifting the targets instead of the logits spares a copy of the [B, T,
+    vocab] logits, the largest tensor of the step."""
+    return F.pad(input_ids[:, 1:], (0, 1), value=-100)
+
+
 def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL of predicting input_ids[:, t+1] from position t, computed in
-    fp32 whatever the compute dtype (bf16 logits would quantise the loss)."""
-    shift_logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="none")
-    return nll.view(targets.shape)
+    """Per-token NLL [B, T-1] of predicting input_ids[:, t+1] from position t,
+    in fp32 whatever the compute dtype (bf16 logits would quantise the loss)."""
+    targets = next_token_targets(input_ids)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    return nll.view(targets.shape)[:, :-1]
+
+
+def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean of next_token_nll, reduced inside cross_entropy."""
+    return F.cross_entropy(logits.float().flatten(0, 1), next_token_targets(input_ids).flatten(), ignore_index=-100)
 
 
 def sequence_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +57,7 @@ def evaluate_perplexity(model, dataloader, accelerator: Accelerator, metric: eva
     for i, batch in enumerate(dataloader):
         if max_batches and i >= max_batches:
             break
-        nll, counts = sequence_nll(model(input_ids=batch["input_ids"]).logits, batch["input_ids"])
+        nll, counts = sequence_nll(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["input_ids"])
         nll, counts = accelerator.gather_for_metrics((nll, counts))
         metric.add_batch(nll_sum=nll.double().cpu().tolist(), num_tokens=counts.cpu().tolist())
     model.train(was_training)

@@ -22,7 +22,7 @@ from finetune.data.images import check_labels, load_images, pixel_values
 from finetune.data.text import load_raw_text, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
-from finetune.metrics import evaluate_accuracy, evaluate_perplexity, next_token_nll
+from finetune.metrics import evaluate_accuracy, evaluate_perplexity, next_token_loss
 
 
 @dataclass
@@ -113,7 +113,8 @@ class CausalLM(Task):
         return tokenizer, model
 
     def loss(self, model, batch: dict) -> torch.Tensor:
-        return next_token_nll(model(input_ids=batch["input_ids"]).logits, batch["input_ids"]).mean()
+        # No KV cache: a training forward never reuses it.
+        return next_token_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["input_ids"])
 
     def evaluate(self, model, loader, accelerator: Accelerator, metric) -> dict[str, Any]:
         return evaluate_perplexity(model, loader, accelerator, metric, self.cfg.max_eval_batches)

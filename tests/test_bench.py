@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--suite", "configs", "--only", "single",
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--quick", "--suite", "configs", "--only", "single", "--profile",
                            "--dataset", str(small_corpus), "--block_size", "64", "--output_dir", str(tmp_path)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     check_ok(proc)
@@ -27,3 +27,10 @@ def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
     assert 0 < result["mfu"] < 1
     table = (tmp_path / "configs.md").read_text()
     assert "| single.yaml | NO | 1 |" in table and "matmul peak per core" in table
+    # The profiled run's breakdown: every phase counted once, within the step.
+    phases = result["profile_ms_per_step"]
+    assert phases["forward_backward_compute"] > 0 and phases["optimizer_step"] > 0 and phases["data_loading"] > 0
+    assert phases["fsdp_all_gather"] == phases["fsdp_reduce_scatter"] == 0  # one process: no collectives
+    assert all(ms >= 0 for ms in phases.values())
+    assert sum(ms for name, ms in phases.items() if name != "step") == pytest.approx(phases["step"])
+    assert "| single.yaml | " in table.split("where the step time goes")[1]

@@ -201,6 +201,19 @@ def test_bf16_model_dir_is_half_the_size(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
+def test_next_token_loss_predicts_the_following_token():
+    from finetune.metrics import next_token_loss, next_token_nll
+
+    torch.manual_seed(0)
+    logits, ids = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
+    log_probs = logits.log_softmax(-1)
+    expected = torch.stack([torch.stack([-log_probs[b, t, ids[b, t + 1]] for t in range(6)]) for b in range(3)])
+    torch.testing.assert_close(next_token_nll(logits, ids), expected)
+    torch.testing.assert_close(next_token_loss(logits, ids), expected.mean())
+    # bf16 logits: the loss is still computed in fp32.
+    assert next_token_loss(logits.bfloat16(), ids).dtype == torch.float32
+
+
 def test_config_defaults_are_valid():
     TrainConfig().validate()
 

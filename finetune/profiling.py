@@ -1,0 +1,89 @@
+"""`--profile_steps N`: record N optimizer steps with torch.profiler, on every
+rank, after two steps of warm-up (the first steps allocate and compile). Writes
+
+    RUN_DIR/profile/rank{R}.json       Chrome trace (open in https://ui.perfetto.dev)
+    RUN_DIR/profile/rank{R}.txt        operators by total time
+    RUN_DIR/profile/rank{R}_breakdown.json
+                                       milliseconds per step in the phases below
+
+The breakdown answers "what is spending the time" from the labels torch,
+FSDP and Accelerate put on the training thread (collectives run on their own
+threads; what the training thread waits for shows up under FSDP's labels and
+c10d's). "other" is the rest of the step: Python, hooks and autograd overhead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+WARMUP_STEPS = 2
+# phase -> label prefixes on the training thread; the first matching phase wins.
+PHASES = {
+    "data_loading": ("enumerate(DataLoader)",),
+    "optimizer_step": ("Optimizer.step#",),
+    "fsdp_all_gather": ("FSDP::all_gather", "FSDP::forward_prefetch", "FSDP::backward_prefetch"),
+    "fsdp_reduce_scatter": ("FSDP::post_backward_reduce",),
+    "other_collectives": ("c10d::",),  # DDP's all-reduce, the loss all-reduce, ...
+    "forward_backward_compute": ("aten::",),
+}
+
+
+def step_breakdown(prof: profile, steps: int) -> dict[str, float]:
+    """Milliseconds per step: the step itself, and each phase's time counted
+    once (an event inside an already-counted one is skipped)."""
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    main_thread = next(e.thread for e in events if e.name.startswith("ProfilerStep"))
+    spans: dict[str, list[tuple[float, float]]] = {phase: [] for phase in PHASES}
+    step_us = 0.0
+    for e in sorted((e for e in events if e.thread == main_thread), key=lambda e: e.time_range.start):
+        start, end = e.time_range.start, e.time_range.end
+        if e.name.startswith("ProfilerStep"):
+            step_us += end - start
+            continue
+        phase = next((p for p, prefixes in PHASES.items() if e.name.startswith(prefixes)), None)
+        if phase is None:
+            continue
+        if any(s <= start and end <= t for covered in spans.values() for s, t in covered[-64:]):
+            continue  # nested in something already counted
+        spans[phase].append((start, end))
+    per_step = {"step": step_us / steps / 1000}
+    for phase, covered in spans.items():
+        per_step[phase] = sum(t - s for s, t in covered) / steps / 1000
+    per_step["other"] = per_step["step"] - sum(per_step[p] for p in PHASES)
+    return per_step
+
+
+class StepProfiler:
+    """A no-op unless steps > 0; call step() after every optimizer step."""
+
+    def __init__(self, steps: int, out_dir: Path, rank: int):
+        self.steps, self.out_dir, self.rank = steps, out_dir, rank
+        self._profile = None
+
+    def __enter__(self) -> "StepProfiler":
+        if self.steps:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._profile = profile(activities=activities, on_trace_ready=self._write,
+                                    schedule=schedule(wait=0, warmup=WARMUP_STEPS, active=self.steps, repeat=1))
+            self._profile.__enter__()
+        return self
+
+    def step(self) -> None:
+        if self._profile is not None:
+            self._profile.step()
+
+    def __exit__(self, *exc) -> None:
+        if self._profile is not None:
+            self._profile.__exit__(*exc)
+
+    def _write(self, prof: profile) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.json"))
+        (self.out_dir / f"rank{self.rank}.txt").write_text(
+            prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=80))
+        (self.out_dir / f"rank{self.rank}_breakdown.json").write_text(
+            json.dumps(step_breakdown(prof, self.steps), indent=2))
