@@ -4,7 +4,10 @@ rank, after two steps of warm-up (the first steps allocate and compile). Writes
     RUN_DIR/profile/rank{R}.json       Chrome trace (open in https://ui.perfetto.dev)
     RUN_DIR/profile/rank{R}.txt        operators by total time
     RUN_DIR/profile/rank{R}_breakdown.json
-                                       milliseconds per step in the phases below
+                                       milliseconds per step in the phases below, and
+                                       the peak bytes torch's allocator held for the
+                                       steps above what was live when recording began
+                                       (activations, gathered parameters, gradients)
 
 The breakdown answers "what is spending the time" from the labels torch,
 FSDP and Accelerate put on the training thread (collectives run on their own
@@ -30,6 +33,18 @@ PHASES = {
     "other_collectives": ("c10d::",),  # DDP's all-reduce, the loss all-reduce, ...
     "forward_backward_compute": ("aten::",),
 }
+
+
+def peak_step_allocation_bytes(prof: profile) -> int:
+    """Torch's own accounting (on CPU there is no max_memory_allocated): the
+    running sum of the allocations and frees recorded, at its highest."""
+    records = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+    live = peak = 0
+    for record in records:
+        live += record.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
 
 
 def step_breakdown(prof: profile, steps: int) -> dict[str, float]:
@@ -67,7 +82,7 @@ class StepProfiler:
     def __enter__(self) -> "StepProfiler":
         if self.steps:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._profile = profile(activities=activities, on_trace_ready=self._write,
+            self._profile = profile(activities=activities, on_trace_ready=self._write, profile_memory=True,
                                     schedule=schedule(wait=0, warmup=WARMUP_STEPS, active=self.steps, repeat=1))
             self._profile.__enter__()
         return self
@@ -86,4 +101,5 @@ class StepProfiler:
         (self.out_dir / f"rank{self.rank}.txt").write_text(
             prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=80))
         (self.out_dir / f"rank{self.rank}_breakdown.json").write_text(
-            json.dumps(step_breakdown(prof, self.steps), indent=2))
+            json.dumps({"ms_per_step": step_breakdown(prof, self.steps),
+                        "peak_step_allocation_bytes": peak_step_allocation_bytes(prof)}, indent=2))

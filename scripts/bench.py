@@ -142,7 +142,9 @@ def profile_breakdown(config: str, nproc: int, args, run_dir: Path, batch: int, 
     """A second run of the case under the profiler, whose step times are not
     reported (the profiler slows the steps it records)."""
     launch(config, nproc, train_args(args, run_dir, batch, profile=True), mixed_precision, threads)
-    return {"profile_ms_per_step": json.loads((run_dir / "profile" / "rank0_breakdown.json").read_text())}
+    breakdown = json.loads((run_dir / "profile" / "rank0_breakdown.json").read_text())
+    return {"profile_ms_per_step": breakdown["ms_per_step"],
+            "profile_peak_step_allocation_bytes": breakdown["peak_step_allocation_bytes"]}
 
 
 def train_args(args, run_dir: Path, batch: int, profile: bool = False) -> list[str]:
@@ -178,11 +180,14 @@ def profile_table(results: list[dict], label: str) -> list[str]:
         return []
     phases = list(profiled[0]["profile_ms_per_step"])
     lines = ["", "where the step time goes on rank 0 (ms per step in a separate profiled run; the profiler "
-             "slows the steps it records, most of all in `other`)", "", f"| {label} | " + " | ".join(phases) + " |",
-             "| --- |" + " --- |" * len(phases)]
+             "slows the steps it records, most of all in `other`), and the peak bytes torch's allocator held "
+             "for a step above what lived between steps", "",
+             f"| {label} | " + " | ".join(phases) + " | torch peak step allocation (bytes) |",
+             "| --- |" + " --- |" * (len(phases) + 1)]
     for r in profiled:
         ms = r["profile_ms_per_step"]
-        lines.append(f"| {r[label]} | " + " | ".join(f"{ms[p]:.1f}" for p in phases) + " |")
+        lines.append(f"| {r[label]} | " + " | ".join(f"{ms[p]:.1f}" for p in phases) +
+                     f" | {r['profile_peak_step_allocation_bytes']} |")
     return lines
 
 

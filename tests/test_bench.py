@@ -34,3 +34,6 @@ def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
     assert all(ms >= 0 for ms in phases.values())
     assert sum(ms for name, ms in phases.items() if name != "step") == pytest.approx(phases["step"])
     assert "| single.yaml | " in table.split("where the step time goes")[1]
+    # Torch's own accounting of a step's transient memory: more than the fp32
+    # gradients alone (activations come on top), less than the whole resident set.
+    assert 4 * result["total_params"] < result["profile_peak_step_allocation_bytes"] < result["peak_memory_bytes_per_rank"][0]
