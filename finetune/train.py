@@ -310,6 +310,9 @@ def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dic
 
     # Consolidate the full state on rank 0 and write the HF model dir.
     state_dict = accelerator.get_state_dict(model)
+    # Under `accelerate launch --dynamo_backend ...` the unwrapped model is still
+    # the torch.compile wrapper, whose keys carry its prefix.
+    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in state_dict.items()}
     final_dir = run_dir / "final"
     if main:
         write_model_dir(state_dict, hf_config, final_dir, tokenizer=data.tokenizer, overwrite=True)

@@ -36,6 +36,12 @@ the Trainer's tokens/s on tiny-gpt2 and 1.0x on larger models.
 loading, forward/backward compute, FSDP all-gather and reduce-scatter, other
 collectives, the optimizer step, and the rest (Python, hooks, autograd).
 
+`--compile` adds our loop under torch.compile (Accelerate's inductor backend)
+to the baselines; compilation happens in the warm-up steps, which are not timed.
+On a GPU machine the same commands run on the GPUs: the matmul
+peak is measured on one GPU (8192 x 8192), MFU is per GPU, the configs suite
+keeps the configs it has enough GPUs for, and the Trainer runs on the GPU.
+
 `--rounds R` runs every case R times, interleaved, and keeps each case's fastest
 round, so a burst of load from elsewhere on the machine does not decide a ratio.
 
@@ -65,12 +71,22 @@ CPU_CONFIGS = {  # config -> processes
 }
 
 
-def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str, threads: int | None = None) -> None:
-    """`accelerate launch` gives each process 1 thread unless told otherwise."""
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str, threads: int | None = None,
+           compiled: bool = False) -> None:
+    """`accelerate launch` gives each process 1 thread unless told otherwise;
+    `compiled` runs the model through torch.compile (Accelerate's dynamo backend)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
            "--num_processes", str(nproc), "--mixed_precision", mixed_precision]
     if threads:
         cmd += ["--num_cpu_threads_per_process", str(threads)]
+    if compiled:
+        cmd += ["--dynamo_backend", "inductor"]
     cmd += ["-m", "finetune", "train", *train_args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -78,20 +94,27 @@ def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str,
         sys.exit(f"{config} failed:\n{proc.stderr[-3000:]}")
 
 
-def matmul_peak_flops(threads: int, dtype_name: str, n: int = 512, seconds: float = 0.5) -> float:
-    """FLOP/s of an n x n matmul on this machine with this many threads, timed
-    over about `seconds` (slow dtypes get fewer repetitions)."""
+def matmul_size() -> int:
+    return 8192 if on_gpu() else 512
+
+
+def matmul_peak_flops(threads: int, dtype_name: str, seconds: float = 0.5) -> float:
+    """FLOP/s of a square matmul on one GPU, or on the CPU with this many
+    threads, timed over about `seconds` (slow dtypes get fewer repetitions)."""
     import torch
 
+    n, device = matmul_size(), "cuda" if on_gpu() else "cpu"
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm-up
     reps, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds or reps == 0:
         a @ b
         reps += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
     torch.set_num_threads(previous)
     return 2 * n**3 * reps / elapsed
 
@@ -103,19 +126,21 @@ def train_flops_per_token(model: str, block_size: int, total_params: int) -> flo
     return 6 * total_params + 12 * shape["n_layer"] * shape["n_embd"] * block_size
 
 
-def mfu(result: dict, args, cores: int, peaks: dict) -> float:
+def mfu(result: dict, args, units: int, peaks: dict) -> float:
     """Model FLOPs utilisation against the device's peak: the faster of the fp32
-    and bf16 matmul, per thread, times the cores the case uses. (On CPUs without
-    native bf16 the bf16 matmul is far slower, so bf16 runs show what they waste.)"""
+    and bf16 matmul, per CPU thread or per GPU, times the cores or GPUs (`units`)
+    the case uses. (On CPUs without native bf16 the bf16 matmul is far slower,
+    so bf16 runs show what they waste.)"""
     for dtype in ("no", "bf16"):
         if dtype not in peaks:
             peaks[dtype] = matmul_peak_flops(1, dtype)
     flops = train_flops_per_token(args.model, args.block_size, result["total_params"]) * result["tokens_per_sec"]
-    return flops / (max(peaks.values()) * cores)
+    return flops / (max(peaks.values()) * units)
 
 
 def peaks_line(peaks: dict) -> str:
-    return "matmul peak per core, measured in this run (512 x 512, FLOP/s): " + \
+    n = matmul_size()
+    return f"matmul peak per {'GPU' if on_gpu() else 'core'}, measured in this run ({n} x {n}, FLOP/s): " + \
         ", ".join(f"{'fp32' if dtype == 'no' else dtype} {flops:,.0f}" for dtype, flops in peaks.items())
 
 
@@ -193,7 +218,11 @@ def profile_table(results: list[dict], label: str) -> list[str]:
 
 def suite_configs(args) -> tuple[list[dict], str]:
     peaks: dict = {}
-    configs = [c for c in CPU_CONFIGS if not args.only or args.only in c]
+    import torch
+
+    # On a GPU machine, the configs it has enough GPUs for (one process per GPU).
+    configs = [c for c, nproc in CPU_CONFIGS.items() if (not args.only or args.only in c)
+               and (not on_gpu() or nproc <= torch.cuda.device_count())]
     with tempfile.TemporaryDirectory() as tmp:
         def run_case(config: str, round_index: int) -> dict:
             nproc = CPU_CONFIGS[config]
@@ -206,7 +235,7 @@ def suite_configs(args) -> tuple[list[dict], str]:
             if args.profile and round_index == 0:
                 result.update(profile_breakdown(config, nproc, args, run_dir.with_name(run_dir.name + "-profile"),
                                                 batch, args.mixed_precision))
-            result["mfu"] = mfu(result, args, cores=nproc, peaks=peaks)
+            result["mfu"] = mfu(result, args, units=nproc, peaks=peaks)
             return result
 
         results = fastest_rounds(configs, run_case, args.rounds)
@@ -273,7 +302,7 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
     training_args = TrainingArguments(
         output_dir=str(run_dir / "trainer"), per_device_train_batch_size=args.batch * 2, max_steps=args.steps,
         learning_rate=1e-3, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="cosine",
-        warmup_steps=1, bf16=mixed_precision == "bf16", use_cpu=True, report_to=[], save_strategy="no",
+        warmup_steps=1, bf16=mixed_precision == "bf16", use_cpu=not on_gpu(), report_to=[], save_strategy="no",
         logging_steps=args.steps, disable_tqdm=True, dataloader_drop_last=True, seed=42)
     collate = lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows]),  # noqa: E731
                             "labels": torch.stack([r["input_ids"] for r in rows])}
@@ -284,21 +313,23 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
 
 def suite_baselines(args) -> tuple[list[dict], str]:
     """1 process, global batch = args.batch * 2, the same for every case."""
-    import torch
-
     from finetune.distributed import cpu_has_native_bf16
 
     peaks: dict = {}
     cores = os.cpu_count()
+    units = 1 if on_gpu() else cores  # one GPU, or every CPU core
     cases = [("finetune loop", "no"), ("HF Trainer", "no")]
     notes = []
-    if torch.cuda.is_available() or cpu_has_native_bf16() or args.model == "tiny-gpt2":
+    if on_gpu() or cpu_has_native_bf16() or args.model == "tiny-gpt2":
         cases.append(("finetune loop", "bf16"))
         if args.trainer_bf16:
             cases.append(("HF Trainer", "bf16"))
     else:
         notes.append(f"bf16 not timed on {args.model}: this CPU has no native bf16 matmul (see the measured peaks); "
                      "`--quick` times it on tiny-gpt2")
+    if args.compile:
+        cases += [("finetune loop, compiled", mixed_precision) for name, mixed_precision in cases
+                  if name == "finetune loop"]
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_run = Path(tmp) / "finetune loop-no-0"  # the first case: the Trainer reuses its tokenizer
 
@@ -312,13 +343,14 @@ def suite_baselines(args) -> tuple[list[dict], str]:
             else:
                 run_dir = Path(tmp) / f"{name}-{mixed_precision}-{round_index}"
                 # All cores, as the in-process Trainer has.
-                launch("single.yaml", 1, train_args(args, run_dir, args.batch * 2), mixed_precision, threads=cores)
+                launch("single.yaml", 1, train_args(args, run_dir, args.batch * 2), mixed_precision, threads=cores,
+                       compiled=name.endswith("compiled"))
                 result = measure(run_dir)
                 if args.profile and round_index == 0:
                     result.update(profile_breakdown("single.yaml", 1, args, run_dir.with_name(run_dir.name + "-profile"),
                                                     args.batch * 2, mixed_precision, threads=cores))
             result = {"case": f"{name} ({mixed_precision})", **result}
-            result["mfu"] = mfu(result, args, cores, peaks)
+            result["mfu"] = mfu(result, args, units, peaks)
             return result
 
         results = fastest_rounds(cases, run_case, args.rounds)
@@ -354,6 +386,8 @@ def main() -> None:
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
     parser.add_argument("--output_dir", default=str(REPO / "outputs" / "bench"))
     parser.add_argument("--rounds", type=int, default=1, help="run every case this many times, keep the fastest")
+    parser.add_argument("--compile", action="store_true",
+                        help="baselines: also time our loop with torch.compile (accelerate's inductor backend)")
     parser.add_argument("--profile", action="store_true", help="also table where each case's step time goes")
     parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
     args = parser.parse_args()
