@@ -162,14 +162,20 @@ def measure(run_dir: Path) -> dict:
     }
 
 
-def profile_breakdown(config: str, nproc: int, args, run_dir: Path, batch: int, mixed_precision: str,
-                      threads: int | None = None) -> dict:
-    """A second run of the case under the profiler, whose step times are not
-    reported (the profiler slows the steps it records)."""
-    launch(config, nproc, train_args(args, run_dir, batch, profile=True), mixed_precision, threads)
-    breakdown = json.loads((run_dir / "profile" / "rank0_breakdown.json").read_text())
-    return {"profile_ms_per_step": breakdown["ms_per_step"],
-            "profile_peak_step_allocation_bytes": breakdown["peak_step_allocation_bytes"]}
+def run_ours(config: str, nproc: int, args, run_dir: Path, batch: int, mixed_precision: str, profile: bool,
+             threads: int | None = None, compiled: bool = False) -> dict:
+    """One timed run of our loop, and with `profile` a second, profiled run of
+    the same case (the profiler slows the steps it records, so they are never
+    the ones timed)."""
+    launch(config, nproc, train_args(args, run_dir, batch), mixed_precision, threads, compiled)
+    result = measure(run_dir)
+    if profile:
+        profiled_dir = run_dir.with_name(run_dir.name + "-profile")
+        launch(config, nproc, train_args(args, profiled_dir, batch, profile=True), mixed_precision, threads, compiled)
+        breakdown = json.loads((profiled_dir / "profile" / "rank0_breakdown.json").read_text())
+        result["profile_ms_per_step"] = breakdown["ms_per_step"]
+        result["profile_peak_step_allocation_bytes"] = breakdown["peak_step_allocation_bytes"]
+    return result
 
 
 def train_args(args, run_dir: Path, batch: int, profile: bool = False) -> list[str]:
@@ -192,10 +198,7 @@ def fastest_rounds(cases: list, run_case, rounds: int) -> list[dict]:
 
 def target_line(name: str, value: float, target: float, higher_is_better: bool) -> str:
     met = value >= target if higher_is_better else value <= target
-    if met:
-        verdict = "met"
-    else:
-        verdict = f"MISSED by {abs(value / target - 1):.0%}"
+    verdict = "met" if met else f"MISSED by {abs(value / target - 1):.0%}"
     return f"- {name}: {value:.2f} (target {'>=' if higher_is_better else '<='} {target:.2f}): {verdict}"
 
 
@@ -217,9 +220,9 @@ def profile_table(results: list[dict], label: str) -> list[str]:
 
 
 def suite_configs(args) -> tuple[list[dict], str]:
-    peaks: dict = {}
     import torch
 
+    peaks: dict = {}
     # On a GPU machine, the configs it has enough GPUs for (one process per GPU).
     configs = [c for c, nproc in CPU_CONFIGS.items() if (not args.only or args.only in c)
                and (not on_gpu() or nproc <= torch.cuda.device_count())]
@@ -229,12 +232,8 @@ def suite_configs(args) -> tuple[list[dict], str]:
             # The same global batch everywhere: 1 process takes both ranks' share.
             run_dir = Path(tmp) / f"{config}-{round_index}"
             print(f"[bench] {config} on {nproc} process(es)", flush=True)
-            batch = args.batch * 2 // nproc
-            launch(config, nproc, train_args(args, run_dir, batch), args.mixed_precision)
-            result = {"config": config, **measure(run_dir)}
-            if args.profile and round_index == 0:
-                result.update(profile_breakdown(config, nproc, args, run_dir.with_name(run_dir.name + "-profile"),
-                                                batch, args.mixed_precision))
+            result = {"config": config, **run_ours(config, nproc, args, run_dir, args.batch * 2 // nproc,
+                                                   args.mixed_precision, profile=args.profile and round_index == 0)}
             result["mfu"] = mfu(result, args, units=nproc, peaks=peaks)
             return result
 
@@ -343,12 +342,9 @@ def suite_baselines(args) -> tuple[list[dict], str]:
             else:
                 run_dir = Path(tmp) / f"{name}-{mixed_precision}-{round_index}"
                 # All cores, as the in-process Trainer has.
-                launch("single.yaml", 1, train_args(args, run_dir, args.batch * 2), mixed_precision, threads=cores,
-                       compiled=name.endswith("compiled"))
-                result = measure(run_dir)
-                if args.profile and round_index == 0:
-                    result.update(profile_breakdown("single.yaml", 1, args, run_dir.with_name(run_dir.name + "-profile"),
-                                                    args.batch * 2, mixed_precision, threads=cores))
+                result = run_ours("single.yaml", 1, args, run_dir, args.batch * 2, mixed_precision,
+                                  profile=args.profile and round_index == 0, threads=cores,
+                                  compiled=name.endswith("compiled"))
             result = {"case": f"{name} ({mixed_precision})", **result}
             result["mfu"] = mfu(result, args, units, peaks)
             return result
