@@ -8,7 +8,7 @@ name and renamed only after every rank has finished writing, so a directory
 named `step_NNNNNN` is always complete.
 
 Across a change of world size, DCP reshards the model and the optimizer
-moments, and the step, LR schedule, epoch and best eval carry over exactly. The
+moments, and the step, LR schedule and epoch carry over exactly. The
 data position carries over to within one global batch (the epoch's sample
 order is the same, the cut between ranks is not). Ranks that did not exist
 when the checkpoint was written get a fresh RNG stream seeded from
@@ -18,22 +18,22 @@ when the checkpoint was written get a fresh RNG stream seeded from
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from finetune.distributed import rank_warning
+from finetune.distributed import canonical_name, rank_warning
 from finetune.errors import UsageError
+from finetune.model_dir import write_model_files
 
 
 PROGRESS_FILE = "training_progress.json"
@@ -50,7 +50,6 @@ class TrainingProgress:
     samples_in_epoch: int = 0          # samples all ranks together consumed in the current epoch
     epoch_loss_sum: float = 0.0        # sum of the step losses of the current epoch so far
     epoch_steps: int = 0               # steps of the current epoch so far
-    best_eval_loss: float = math.inf
     world_size: int = 1                # ranks that wrote the checkpoint
 
 
@@ -87,7 +86,9 @@ def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path:
 
 
 def read_progress(checkpoint_dir: Path) -> TrainingProgress:
-    return TrainingProgress(**json.loads((checkpoint_dir / PROGRESS_FILE).read_text()))
+    saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
+    known = {f.name for f in fields(TrainingProgress)}  # older checkpoints hold fields since dropped
+    return TrainingProgress(**{k: v for k, v in saved.items() if k in known})
 
 
 def check_dcp_files(shard_dir: Path) -> FileSystemReader:
@@ -126,23 +127,12 @@ def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
                      "resume from another checkpoint")
 
 
-# Wrappers that appear in live parameter names but not in saved state dicts
-# (activation checkpointing, FSDP1, torch.compile).
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def saved_name(param_name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        param_name = param_name.replace(prefix, "")
-    return param_name
-
-
 def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: bool) -> None:
     """The checkpoint was written for this architecture and size, and in the
     layout this run reads (FSDP shards, or one file)."""
     stored = saved_shapes(checkpoint_dir)
     for live_name, param in model.named_parameters():
-        name = saved_name(live_name)
+        name = canonical_name(live_name)
         if name not in stored:
             raise UsageError(f"checkpoint {checkpoint_dir} has no parameter {name}: it was written for another "
                              "architecture; resume with the run's own --model")
@@ -161,30 +151,32 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
 
 class CheckpointManager:
     """Saves every `every` steps, after every `every_epochs` epochs, and at the
-    end; keeps the newest `keep_last`. `write_model_files(dir)` adds what an
-    offline export needs besides the weights (HF config, generation config,
-    tokenizer) under `model_config/`."""
+    end; keeps the newest `keep_last`. Each checkpoint also holds the run config
+    and, under `model_config/`, what an offline export needs besides the
+    weights (HF config, generation config, tokenizer)."""
 
-    def __init__(self, accelerator: Accelerator, run_dir: str | Path, every: int, every_epochs: int, keep_last: int,
-                 write_model_files: Callable[[Path], None]):
+    def __init__(self, accelerator: Accelerator, run_dir: str | Path, *, every: int, every_epochs: int,
+                 keep_last: int, config_yaml: str, hf_config: PretrainedConfig,
+                 tokenizer: PreTrainedTokenizerBase | None):
         self.accelerator = accelerator
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.every_epochs = every_epochs
         self.keep_last = keep_last
-        self.write_model_files = write_model_files
+        self.config_yaml = config_yaml
+        self.hf_config = hf_config
+        self.tokenizer = tokenizer
 
-    def maybe_save(self, progress: TrainingProgress, config_yaml: str, *, epoch_end: bool = False,
-                   final: bool = False) -> Path | None:
+    def maybe_save(self, progress: TrainingProgress, *, epoch_end: bool = False, final: bool = False) -> Path | None:
         """Call after every optimizer step, after every epoch (epoch_end, with
         progress.epoch already counting the finished epoch) and at the end."""
         due = (final or (self.every > 0 and progress.step % self.every == 0)
                or (epoch_end and self.every_epochs > 0 and progress.epoch % self.every_epochs == 0))
         if not due or (self.root / checkpoint_name(progress.step)).exists():
             return None
-        return self.save(progress, config_yaml)
+        return self.save(progress)
 
-    def save(self, progress: TrainingProgress, config_yaml: str) -> Path:
+    def save(self, progress: TrainingProgress) -> Path:
         acc = self.accelerator
         start = time.perf_counter()
         target = self.root / checkpoint_name(progress.step)
@@ -197,8 +189,8 @@ class CheckpointManager:
         if acc.is_main_process:
             progress.world_size = acc.num_processes
             (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
-            (tmp / "run_config.yaml").write_text(config_yaml)
-            self.write_model_files(tmp / MODEL_CONFIG_DIR)
+            (tmp / "run_config.yaml").write_text(self.config_yaml)
+            write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         acc.wait_for_everyone()  # every rank's shards are on disk
         if acc.is_main_process:
             os.replace(tmp, target)

@@ -19,8 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import TASK_DEFAULTS, TrainConfig, config_fields, field_types, load_config
+from finetune.config import TrainConfig, config_fields, field_types, load_config
 from finetune.errors import Stopped, UsageError
+from finetune.tasks import REGISTRY
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     types = field_types()
     for f in config_fields():
         default = getattr(defaults, f.name)
-        by_task = "".join(f"; {task}: {values[f.name]!r}" for task, values in TASK_DEFAULTS.items() if f.name in values)
+        by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
+                          if f.name in entry.defaults)
         help_text = f"{f.metadata['help']} (default: {default!r}{by_task})".replace("%", "%%")
         kwargs = dict(default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         if types[f.name] is bool:
@@ -39,11 +41,18 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad options are UsageErrors (one line, exit 2), and no
-    silent prefix matching (--max_step is a typo, not --max_steps)."""
+    """argparse, but bad options are UsageErrors (one line, exit 2), no silent
+    prefix matching (--max_step is a typo, not --max_steps), and the options it
+    knows listed for suggestions."""
 
     def __init__(self, *args, **kwargs):
+        self.known_options: list[str] = []  # before argparse adds --help
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        self.known_options += action.option_strings
+        return action
 
     def error(self, message: str):
         raise UsageError(f"{message}; see `{self.prog} --help`")
@@ -54,8 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        subcommand = parser._subparsers._group_actions[0].choices[args.command]
-        options = [o for action in subcommand._actions for o in action.option_strings if o.startswith("--")]
+        options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
         close = difflib.get_close_matches(first.split("=")[0], options, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
@@ -70,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="fine-tune a model (launch with accelerate launch for FSDP)")
     _add_config_options(train)
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, subparser=train)
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint, with optional overrides")
     resume.add_argument("run_dir", help="a run directory holding run_config.yaml and checkpoints/")
     _add_config_options(resume)
-    resume.set_defaults(func=cmd_resume)
+    resume.set_defaults(func=cmd_resume, subparser=resume)
 
     export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir (one process, CPU)")
     export.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
@@ -89,14 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                         help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune "
                              "(default: the checkpoint's own model_config/)")
-    export.set_defaults(func=cmd_export)
+    export.set_defaults(func=cmd_export, subparser=export)
 
     generate = sub.add_parser("generate", help="generate text from a model dir")
     generate.add_argument("model_dir", help="an exported model dir or a run's final/")
     generate.add_argument("--prompt", required=True, help="text to continue")
     generate.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate (default: 40)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    generate.set_defaults(func=cmd_generate)
+    generate.set_defaults(func=cmd_generate, subparser=generate)
 
     evaluate = sub.add_parser("evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir")
     evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
@@ -107,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
                           help="which split to score (default: 'validation')")
     evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="samples per batch (default: 8)")
-    evaluate.set_defaults(func=cmd_evaluate)
+    evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
     memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
@@ -120,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compute dtype (default: the accelerate config's, else bf16)")
     memory.add_argument("--device_memory", default=None, metavar="BYTES|NGB|NGiB",
                         help="say which strategies fit in this much memory per device (default: None)")
-    memory.set_defaults(func=cmd_estimate_memory)
+    memory.set_defaults(func=cmd_estimate_memory, subparser=memory)
     return parser
 
 
@@ -135,15 +143,13 @@ def is_rank_zero() -> bool:
 
 def _run(cfg: TrainConfig) -> int:
     from finetune.inference import generate_text
+    from finetune.report import eval_line
     from finetune.train import train
 
     summary = train(cfg)
     if is_rank_zero():
-        print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}")
-        first, last = summary["first_eval"], summary["last_eval"]
-        name = "perplexity" if "perplexity" in last else "accuracy"
-        print(f"validation {name}: " + (f"{first[name]:.4f} -> " if first else "") + f"{last[name]:.4f}")
-        if cfg.sample_prompt and cfg.task == "causal-lm":
+        print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}\n{eval_line(summary)}")
+        if cfg.sample_prompt and REGISTRY[cfg.task].generative:
             print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt)!r}")
     return 0
 
@@ -205,37 +211,19 @@ def _parse_bytes(text: str) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    import yaml
+    from finetune.memory import estimate, model_shape, read_launch_config, render
 
-    from finetune.memory import estimate, model_shape, render
-
-    launch: dict = {}
-    if args.accelerate_config:
-        try:
-            launch = yaml.safe_load(Path(args.accelerate_config).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise UsageError(f"cannot read --accelerate_config {args.accelerate_config} ({e}); pass a YAML file") from None
-    num_processes = args.num_processes or int(launch.get("num_processes", 2))
-    mixed_precision = args.mixed_precision or ("no" if launch.get("mixed_precision") == "no" else "bf16")
+    launch = read_launch_config(args.accelerate_config)
+    num_processes = args.num_processes or launch.num_processes
+    mixed_precision = args.mixed_precision or launch.mixed_precision
     if num_processes < 1 or args.per_device_batch_size < 1 or args.block_size < 1:
         raise UsageError("--num_processes, --per_device_batch_size and --block_size must be >= 1")
     shape = model_shape(args.model)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision)
     device_memory = _parse_bytes(args.device_memory) if args.device_memory else None
     print(render(shape, estimates, num_processes, device_memory))
-    if launch:
-        fsdp = launch.get("fsdp_config", {}) or {}
-        if launch.get("distributed_type") != "FSDP":
-            yours = "DDP"
-        elif fsdp.get("fsdp_offload_params"):
-            yours = "FSDP + CPU offload (state in CPU RAM)"
-        elif fsdp.get("fsdp_activation_checkpointing"):
-            yours = "FSDP + activation checkpointing"
-        elif fsdp.get("fsdp_reshard_after_forward") is False:
-            yours = "FSDP SHARD_GRAD_OP"
-        else:
-            yours = "FSDP full shard"
-        print(f"\n{args.accelerate_config} runs: {yours}")
+    if args.accelerate_config:
+        print(f"\n{args.accelerate_config} runs: {launch.strategy}")
     return 0
 
 

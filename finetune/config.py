@@ -19,25 +19,13 @@ from typing import Any, get_type_hints
 import yaml
 
 from finetune.errors import UsageError
+from finetune.tasks import REGISTRY
 
-TASKS = ("causal-lm", "image-classification")
-
+TASKS = tuple(REGISTRY)
 
 OPTIMIZERS = ("adamw", "adam")
 LR_SCHEDULERS = ("cosine", "step")
 REPORTERS = ("jsonl", "tensorboard", "none")
-
-# Defaults that differ by task; anything set in a config file or on the command
-# line wins. The image-classification recipe is the lectures' (Adam 1e-2 with L2
-# decay 1e-4, StepLR halving every epoch, clipping at 0.1, accumulation 4,
-# mini-batch 64, a checkpoint every 5 epochs).
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "causal-lm": {},
-    "image-classification": dict(
-        model="lecture-cnn", optimizer="adam", learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999,
-        weight_decay=1e-4, lr_scheduler="step", lr_gamma=0.5, max_grad_norm=0.1, gradient_accumulation_steps=4,
-        per_device_batch_size=64, num_epochs=10, checkpoint_every_epochs=5, eval_every_epochs=1, sample_prompt=""),
-}
 
 
 def _opt(default, help: str, **kw):
@@ -199,8 +187,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         values.update(loaded)
     values.update(overrides)
     task = values.get("task", TrainConfig.task)
-    if task in TASK_DEFAULTS:
-        values = {**TASK_DEFAULTS[task], **values}
+    if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
+        values = {**REGISTRY[task].defaults, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()
     return cfg

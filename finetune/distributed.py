@@ -169,6 +169,21 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     return accelerator
 
 
+# Modules that wrappers put into live parameter names but that saved state
+# dicts leave out: activation checkpointing, FSDP1, torch.compile.
+WRAPPER_MODULES = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as the model itself (and every checkpoint) calls it,
+    whatever wrapped it: the wrappers above anywhere in the path, DDP's
+    `module.` at its start."""
+    parts = [part for part in name.split(".") if part not in WRAPPER_MODULES]
+    if parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 @dataclass
 class ShardReport:
     total_params: int

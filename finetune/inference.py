@@ -1,5 +1,5 @@
-"""Using an exported model dir in one process: generate text, measure
-perplexity (causal LMs) or accuracy (image classifiers)."""
+"""Using an exported model dir in one process: generate text, or score it
+(perplexity, accuracy) with its task's own evaluation."""
 
 from __future__ import annotations
 
@@ -8,22 +8,21 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoTokenizer
 
-from finetune import models
-from finetune.data.images import check_labels, load_images, pixel_values
-from finetune.data.text import load_raw_text, tokenize_and_group
+import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
+from finetune.config import TrainConfig
 from finetune.errors import UsageError
-from finetune.metrics import evaluate_accuracy, evaluate_perplexity, load_metric
+from finetune.tasks import task_for_config
 
 
 def load_model_dir(model_dir: str):
-    """(task, model, tokenizer or None) of a dir written by finetune."""
+    """(task entry, model, tokenizer or None) of a dir written by finetune."""
     try:
-        config = AutoConfig.from_pretrained(model_dir)
-        task = models.task_of_config(config)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        task = task_for_config(config)
         if task is None:
             raise ValueError(f"{type(config).__name__} is neither a causal LM nor an image classifier")
-        model = models.AUTO_CLASSES[task].from_pretrained(model_dir, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir) if task == "causal-lm" else None
+        model = task.auto().from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False) if task.has_tokenizer else None
     except (OSError, ValueError) as e:
         raise UsageError(f"{model_dir} is not a usable model dir ({str(e).strip().splitlines()[0]}); "
                          "pass the output of `finetune export` or a run's final/") from None
@@ -33,8 +32,8 @@ def load_model_dir(model_dir: str):
 @torch.no_grad()
 def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, seed: int = 0) -> str:
     task, model, tokenizer = load_model_dir(model_dir)
-    if task != "causal-lm":
-        raise UsageError(f"{model_dir} holds an {task} model, which does not generate text; use `finetune evaluate`")
+    if not task.generative:
+        raise UsageError(f"{model_dir} holds an {task.name} model, which does not generate text; use `finetune evaluate`")
     inputs = tokenizer(prompt, return_tensors="pt")
     torch.manual_seed(seed)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
@@ -45,15 +44,13 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, seed: i
 def evaluate_model_dir(model_dir: str, dataset: str, split: str = "validation", batch_size: int = 8,
                        validation_split: float = 0.05, seed: int = 42, text_column: str = "text",
                        block_size: int = 128, image_column: str = "image", label_column: str = "label") -> dict:
-    """Perplexity or accuracy on a split built exactly as training builds it
-    (same seed, same validation_split: the same held-out samples)."""
-    task, model, tokenizer = load_model_dir(model_dir)
+    """The task's metric on a split built exactly as training builds it (same
+    seed, same validation_split: the same held-out samples)."""
+    entry, model, tokenizer = load_model_dir(model_dir)
+    cfg = TrainConfig(task=entry.name, dataset=dataset, validation_split=validation_split, seed=seed,
+                      text_column=text_column, block_size=block_size, image_column=image_column,
+                      label_column=label_column, per_device_batch_size=batch_size)
+    task = entry.load_class()(cfg)
     accelerator = Accelerator()
-    if task == "causal-lm":
-        blocks = tokenize_and_group(load_raw_text(dataset, text_column, validation_split, seed), tokenizer, block_size)
-        model, loader = accelerator.prepare(model, DataLoader(blocks[split], batch_size=batch_size))
-        return evaluate_perplexity(model, loader, accelerator, load_metric("perplexity", accelerator))
-    images, _ = load_images(dataset, image_column, label_column, model.config.image_size, validation_split, seed)
-    check_labels(images, model.config.num_labels, dataset)
-    model, loader = accelerator.prepare(model, DataLoader(images[split], batch_size=batch_size))
-    return evaluate_accuracy(model, loader, accelerator, load_metric("accuracy", accelerator), pixel_values)
+    model, loader = accelerator.prepare(model, DataLoader(task.held_out(model, tokenizer, split), batch_size=batch_size))
+    return task.evaluate(model, loader, accelerator)

@@ -14,12 +14,15 @@ layer in 16-bit, doubled in fp32, plus the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+import yaml
+from transformers import AutoConfig, GPT2Config
 
-from finetune import models
 from finetune.errors import UsageError
+from finetune.presets import GPT2_PRESETS
+from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
 GIB = 1024**3
 
@@ -34,17 +37,26 @@ class ModelShape:
 
 
 def model_shape(name_or_path: str) -> ModelShape:
-    """Counts parameters on the meta device: nothing is allocated or downloaded but the config."""
-    if models.is_preset(name_or_path):
-        config = GPT2Config(**models.GPT2_PRESETS[name_or_path])
+    """Counts parameters on the meta device: nothing is allocated or downloaded
+    but the config. The activation model is a transformer's, so only causal LMs
+    are estimated."""
+    causal_lm = REGISTRY["causal-lm"]
+    if name_or_path in GPT2_PRESETS:
+        config = GPT2Config(**GPT2_PRESETS[name_or_path])
+    elif (preset_task := task_of_preset(name_or_path)) is not None:
+        raise UsageError(f"estimate-memory models transformer causal LMs, and --model {name_or_path} is an "
+                         f"{preset_task.name} model; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     else:
         try:
-            config = AutoConfig.from_pretrained(name_or_path)
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
                              "pass a preset, a local HF model dir or a reachable Hub id") from None
+        if task_for_config(config) is not causal_lm:
+            raise UsageError(f"estimate-memory models transformer causal LMs, and --model {name_or_path} is a "
+                             f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm.auto().from_config(config)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -54,6 +66,37 @@ def model_shape(name_or_path: str) -> ModelShape:
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size)
+
+
+@dataclass
+class LaunchConfig:
+    """What the planner takes from an accelerate config file."""
+    num_processes: int = 2
+    mixed_precision: str = "bf16"
+    strategy: str = "FSDP full shard"
+
+
+def read_launch_config(path: str | None) -> LaunchConfig:
+    """Processes, compute dtype and the sharding strategy an accelerate config runs."""
+    if not path:
+        return LaunchConfig()
+    try:
+        launch = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot read --accelerate_config {path} ({e}); pass a YAML file") from None
+    fsdp = launch.get("fsdp_config", {}) or {}
+    if launch.get("distributed_type") != "FSDP":
+        strategy = "DDP"
+    elif fsdp.get("fsdp_offload_params"):
+        strategy = "FSDP + CPU offload (state in CPU RAM)"
+    elif fsdp.get("fsdp_activation_checkpointing"):
+        strategy = "FSDP + activation checkpointing"
+    elif fsdp.get("fsdp_reshard_after_forward") is False:
+        strategy = "FSDP SHARD_GRAD_OP"
+    else:
+        strategy = "FSDP full shard"
+    return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
+                        mixed_precision="no" if launch.get("mixed_precision") == "no" else "bf16", strategy=strategy)
 
 
 @dataclass

@@ -1,7 +1,12 @@
-"""The training loop: data -> model -> prepare -> accumulate, clip, step, log,
-evaluate, checkpoint -> consolidate the final model. The same loop trains
-causal LMs and image classifiers; what differs (data, model, loss, metric)
-comes from finetune/tasks.py.
+"""The training loop, the same for every task (what differs comes from
+finetune/tasks):
+
+    train(cfg)
+      setup_run   data and model, prepare, resume or a first evaluation
+      fit         until total_steps: train_step (one optimizer step over its
+                  micro-batches), then after_step (the shared loss, logging,
+                  epoch end, evaluation, checkpoint, stop request)
+      finish      final evaluation and checkpoint, the consolidated model, summary
 
 FSDP, mixed precision and process count come from the accelerate config; this
 file never branches on them.
@@ -10,33 +15,111 @@ file never branches on them.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import json
 import math
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from torch.optim.lr_scheduler import LambdaLR, StepLR
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from finetune import models
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
                                  resolve_checkpoint)
 from finetune.config import TrainConfig
-from finetune.distributed import (build_accelerator, count_fsdp_units, gather_ints, peak_memory_bytes,
-                                  persistent_state_bytes, slow_bf16_warning, verify_sharded)
+from finetune.distributed import (ShardReport, build_accelerator, canonical_name, count_fsdp_units, gather_ints,
+                                  peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
-from finetune.export import write_model_dir, write_model_files
-from finetune.metrics import JSONLTracker, load_metric, plot_loss, summary_markdown, truncate_metrics
+from finetune.model_dir import write_model_dir
+from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
+from finetune.report import build_trackers, truncate_metrics, write_summary
 from finetune.stopping import StopSignals
-from finetune.tasks import build_task
+from finetune.tasks import build_task, check_preset_task
+from finetune.tasks.base import Task, TaskData
+
+
+@dataclass
+class Run:
+    """What a run holds from setup to finish."""
+    cfg: TrainConfig
+    accelerator: Accelerator
+    task: Task
+    data: TaskData
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    checkpoints: CheckpointManager
+    stop: StopSignals
+    total_steps: int
+    progress: TrainingProgress
+    shards: ShardReport
+    fsdp_units: int
+    evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, result) of every evaluation
+    last_loss: float | None = None                                # stays None when a resume has no step left
+    state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
+    train_seconds: float = 0.0
+    bar: tqdm = field(default_factory=lambda: tqdm(disable=True))  # fit() shows the real one
+    profiler: StepProfiler = field(default_factory=lambda: StepProfiler(0, Path(), 0))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.per_device_batch_size * self.accelerator.num_processes
+
+    def log(self, row: dict) -> None:
+        self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def evaluate(self) -> dict:
+        result = self.task.evaluate(self.model, self.eval_loader, self.accelerator)
+        self.log({"step": self.progress.step, "epoch": self.progress.epoch, **result})
+        self.evals.append((self.progress.step, result))
+        return result
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's mean over the step's micro-batches
+    grad_norm: float
+    lr: float           # the learning rate the step used
+    seconds: float      # the step's data loading and compute
+    epoch_end: bool     # the step used the epoch's last micro-batch
+
+
+def train(cfg: TrainConfig) -> dict:
+    check_run_dir(cfg)
+    check_preset_task(cfg.model, cfg.task)
+    run_dir = Path(cfg.output_dir)
+    fresh_run_dir = not run_dir.exists()
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg.report_to, run_dir),
+                                    run_dir)
+    try:
+        with StopSignals() as stop:
+            run = setup_run(cfg, accelerator, stop)
+            fit(run)
+            return finish(run)
+    except UsageError:
+        # Bad input found before the run started writing (run_config.yaml comes
+        # first) leaves no half-made run dir behind.
+        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    finally:
+        # Free the wrapped model while the process group is alive: a DDP reducer
+        # destroyed after its gloo group hangs in the group's destructor.
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.end_training()
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -50,36 +133,187 @@ def check_run_dir(cfg: TrainConfig) -> None:
                          "pass --overwrite, or choose another --output_dir")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices and embeddings only (nanoGPT's rule), or
-    the lectures' Adam with L2 decay on every parameter. Both fused: one kernel
-    for all parameters instead of about ten ops per parameter, which matters
-    most for sharded (DTensor) parameters, where each op is dispatched in Python."""
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, betas=betas,
-                                weight_decay=cfg.weight_decay, fused=True)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=True)
+# --- setup ----------------------------------------------------------------------------------------
+
+def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> Run:
+    if warning := slow_bf16_warning(accelerator):
+        accelerator.print(warning)
+    run_dir = Path(cfg.output_dir)
+    resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+
+    task = build_task(cfg)
+    model, data = task.build(accelerator, run_dir)
+    train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
+    # The last micro-batches of an epoch make a step even when fewer than
+    # gradient_accumulation_steps are left.
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
+    optimizer = build_optimizer(model, cfg)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
+
+    checkpoints = CheckpointManager(
+        accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
+        keep_last=cfg.keep_last, config_yaml=yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+        hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
+    run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
+              schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
+              eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, total_steps=total_steps,
+              progress=TrainingProgress(world_size=accelerator.num_processes),
+              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model))
+    measure_state_after_first_step(run)
+    if resume_from:
+        resume(run, resume_from)
+    start_writing(run, resumed=resume_from is not None)
+    if not resume_from:
+        run.evaluate()
+    return run
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup (the first step already moves), then cosine decay to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
+                    data: TaskData) -> tuple[DataLoader, DataLoader]:
+    """Loaders split between the ranks, refused when a rank would get no batch."""
+    global_batch = cfg.per_device_batch_size * accelerator.num_processes
+    if len(data.train) < global_batch:
+        raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
+                         f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
+                         f"{task.batch_size_options}")
+    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
+    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
+    return accelerator.prepare(train_loader, eval_loader)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """The cosine schedule is stepped after every optimizer step, the step
-    schedule (StepLR, step_size=1) after every epoch; see `schedule_per_epoch`."""
-    if cfg.lr_scheduler == "step":
-        return StepLR(optimizer, step_size=1, gamma=cfg.lr_gamma)
-    warmup = cfg.warmup_steps or max(1, total_steps // 20)
-    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
+def measure_state_after_first_step(run: Run) -> None:
+    """Parameters, gradients and optimizer state are all alive right after the
+    first optimizer step (before the gradients are freed): measure them then,
+    once, from a hook instead of from the loop."""
+    def measure(*_):
+        run.state_bytes = persistent_state_bytes(run.model, run.optimizer)
+        handle.remove()
+
+    torch_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # unwrap Accelerate's
+    handle = torch_optimizer.register_step_post_hook(measure)
+
+
+def resume(run: Run, checkpoint: Path) -> None:
+    run.progress = run.checkpoints.load(checkpoint, run.model, run.cfg.seed)
+    if run.accelerator.is_main_process:  # rows logged after that checkpoint belong to the lost part of the run
+        truncate_metrics(run.run_dir / "metrics.jsonl", run.progress.step)
+    run.accelerator.print(f"resumed from {checkpoint} at step {run.progress.step}")
+    if change := run.schedule.rescale_peak(run.cfg.learning_rate):
+        run.accelerator.print(change)
+
+
+def start_writing(run: Run, resumed: bool) -> None:
+    """Everything is checked: from here on the run writes into its dir."""
+    acc = run.accelerator
+    if acc.is_main_process:
+        (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
+        if not resumed:
+            (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    acc.init_trackers("tensorboard", config=run.cfg.to_dict())
+    acc.print(f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "
+              f"parameters in {run.fsdp_units} FSDP unit(s), per rank {run.shards.local_params_per_rank}; "
+              f"{run.data.description}; {run.total_steps} steps")
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
+def fit(run: Run) -> None:
+    start = time.perf_counter()
+    with tqdm(total=run.total_steps, initial=run.progress.step, disable=not run.accelerator.is_main_process,
+              desc="training", dynamic_ncols=True) as run.bar, \
+            StepProfiler(run.cfg.profile_steps, run.run_dir / "profile", run.accelerator.process_index) as run.profiler:
+        while run.progress.step < run.total_steps:
+            batches = epoch_batches(run)
+            while run.progress.step < run.total_steps and (result := train_step(run, batches)) is not None:
+                after_step(run, result)
+    run.train_seconds = time.perf_counter() - start
+
+
+def epoch_batches(run: Run) -> Iterator[dict]:
+    """The rest of the current epoch's micro-batches for this rank. The order
+    depends on (seed, epoch) only; after a resume, the batches the checkpoint
+    had already consumed are skipped (rounded down when the world size changed)."""
+    progress = run.progress
+    skip = progress.samples_in_epoch // run.global_batch
+    progress.samples_in_epoch = skip * run.global_batch
+    batches = run.accelerator.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
+    batches.set_epoch(progress.epoch)
+    return iter(batches)
+
+
+def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
+    """Forward and backward over micro-batches until Accelerate syncs the
+    gradients (gradient_accumulation_steps of them, or the epoch's last), then
+    one optimizer step. None when the epoch has no micro-batch left."""
+    acc, model, cfg = run.accelerator, run.model, run.cfg
+    start = time.perf_counter()
+    loss_sum, micro_batches = torch.zeros((), device=acc.device), 0
+    for batch in batches:
+        with acc.accumulate(model):
+            loss = run.task.loss(model, batch)
+            acc.backward(loss)
+            loss_sum += loss.detach()
+            micro_batches += 1
+            if acc.sync_gradients:
+                grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
+                lr = run.schedule.lr
+                run.optimizer.step()
+                run.schedule.step_done()
+                run.optimizer.zero_grad(set_to_none=True)
+        run.progress.samples_in_epoch += run.global_batch
+        if acc.sync_gradients:
+            return StepResult(loss_sum / micro_batches, grad_norm, lr, time.perf_counter() - start,
+                              epoch_end=acc.gradient_state.end_of_dataloader)
+    return None
+
+
+def after_step(run: Run, result: StepResult) -> None:
+    """Everything between two optimizer steps. Raises UsageError on a
+    non-finite loss and Stopped (after a checkpoint) when a rank was asked to stop."""
+    acc, cfg, progress = run.accelerator, run.cfg, run.progress
+    progress.step += 1
+    # One collective for the loss and for "a rank was asked to stop".
+    loss, stop_votes = acc.reduce(torch.stack([result.loss, torch.tensor(run.stop.flag, device=acc.device)]),
+                                  reduction="mean").tolist()
+    if not math.isfinite(loss):
+        raise UsageError(non_finite_loss_message(loss, progress.step, run.run_dir, cfg.learning_rate))
+    run.last_loss = loss
+    progress.epoch_loss_sum += loss
+    progress.epoch_steps += 1
+    throughput = run.global_batch * cfg.gradient_accumulation_steps * run.task.units_per_sample() / result.seconds
+    if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
+        run.log({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
+                 "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput})
+    run.profiler.step()
+    run.bar.update(1)
+    run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{result.lr:.2e}", **{run.task.throughput_key: f"{throughput:,.0f}"})
+
+    if result.epoch_end:
+        finish_epoch(run)
+    if evaluation_due(cfg, progress, result.epoch_end) and progress.step < run.total_steps:
+        run.evaluate()
+    run.checkpoints.maybe_save(progress, epoch_end=result.epoch_end)
+    if stop_votes > 0:
+        run.checkpoints.maybe_save(progress, final=True)
+        raise Stopped(f"{run.stop.name()} at step {progress.step}; checkpoint {complete_checkpoints(run.run_dir)[-1]} "
+                      f"is complete: continue with `finetune resume {run.run_dir}`", run.stop.received or 15)
+
+
+def finish_epoch(run: Run) -> None:
+    """From here on, `progress.epoch` counts the finished epochs."""
+    progress = run.progress
+    epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
+    progress.epoch += 1
+    progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
+    run.log({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
+    run.schedule.epoch_done()
+
+
+def evaluation_due(cfg: TrainConfig, progress: TrainingProgress, epoch_end: bool) -> bool:
+    every_steps = cfg.eval_every and progress.step % cfg.eval_every == 0
+    every_epochs = epoch_end and cfg.eval_every_epochs and progress.epoch % cfg.eval_every_epochs == 0
+    return bool(every_steps or every_epochs)
 
 
 def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate: float) -> str:
@@ -96,251 +330,55 @@ def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate
             f"--resume_from_checkpoint {good[-1]} --learning_rate {lower}`")
 
 
-def rescale_learning_rate(scheduler, learning_rate: float) -> str | None:
-    """A checkpoint restores the schedule of the old peak learning rate; a
-    resume that passes another --learning_rate scales the whole schedule
-    (what is left of it) to the new peak."""
-    old = scheduler.base_lrs[0]
-    if math.isclose(old, learning_rate, rel_tol=1e-12):
-        return None
-    ratio = learning_rate / old
-    scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
-    scheduler._last_lr = [lr * ratio for lr in scheduler.get_last_lr()]
-    for group in scheduler.optimizer.param_groups:
-        group["lr"] *= ratio
-        group["initial_lr"] *= ratio
-    return f"learning rate schedule rescaled from a peak of {old:g} to {learning_rate:g}"
-
-
 def to_float(t: torch.Tensor) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
-def build_trackers(cfg: TrainConfig) -> list:
-    """Accelerate trackers for --report_to: metrics.jsonl, TensorBoard, or none."""
-    wanted = set(cfg.report_to.split(","))
-    trackers: list = []
-    if "jsonl" in wanted:
-        trackers.append(JSONLTracker(Path(cfg.output_dir) / "metrics.jsonl"))
-    if "tensorboard" in wanted:
-        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
-            raise UsageError("--report_to tensorboard needs the tensorboard package; pip install tensorboard, "
-                             "or drop tensorboard from --report_to")
-        trackers.append("tensorboard")
-    return trackers
+# --- the end --------------------------------------------------------------------------------------
+
+def finish(run: Run) -> dict:
+    run.evaluate()
+    run.checkpoints.maybe_save(run.progress, final=True)
+    final_dir = write_final_model(run)
+    summary = run_summary(run, final_dir)
+    if run.accelerator.is_main_process:
+        write_summary(summary, run.run_dir)
+    return summary
 
 
-def train(cfg: TrainConfig) -> dict:
-    check_run_dir(cfg)
-    models.check_task(cfg.model, cfg.task)
-    run_dir = Path(cfg.output_dir)
-    fresh_run_dir = not run_dir.exists()
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg), run_dir)
-    try:
-        with StopSignals() as stop:
-            return _train(cfg, accelerator, stop)
-    except UsageError:
-        # Bad input found before the run started writing (run_config.yaml comes
-        # first) leaves no half-made run dir behind.
-        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    finally:
-        # Free the wrapped model while the process group is alive: a DDP reducer
-        # destroyed after its gloo group hangs in the group's destructor.
-        accelerator.free_memory()
-        gc.collect()
-        accelerator.end_training()
+def write_final_model(run: Run) -> Path:
+    """Consolidate the full state on rank 0 and write the HF model dir."""
+    acc = run.accelerator
+    # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
+    state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
+    final_dir = run.run_dir / "final"
+    if acc.is_main_process:
+        write_model_dir(state_dict, acc.unwrap_model(run.model).config, final_dir, tokenizer=run.data.tokenizer,
+                        overwrite=True)
+    acc.wait_for_everyone()
+    return final_dir
 
 
-def _train(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> dict:
-    main = accelerator.is_main_process
-    if warning := slow_bf16_warning(accelerator):
-        accelerator.print(warning)
-    run_dir = Path(cfg.output_dir)
-    config_yaml = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-    resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
-
-    task = build_task(cfg)
-    data = task.build(accelerator, run_dir)
-    global_batch = cfg.per_device_batch_size * accelerator.num_processes
-    if len(data.train) < global_batch:
-        raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
-                         f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
-                         f"{task.batch_size_options}")
-    model = data.model
-    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
-    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
-
-    train_loader, eval_loader = accelerator.prepare(train_loader, eval_loader)  # now per rank
-
-    # The last micro-batches of an epoch make a step even when fewer than
-    # gradient_accumulation_steps are left.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
-    schedule_per_epoch = cfg.lr_scheduler == "step"
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    shards = verify_sharded(model, accelerator)
-    fsdp_units = count_fsdp_units(model)
-    metric = load_metric(task.metric_name, accelerator)
-
-    hf_config = accelerator.unwrap_model(model).config
-    checkpoints = CheckpointManager(accelerator, run_dir, cfg.checkpoint_every, cfg.checkpoint_every_epochs,
-                                    cfg.keep_last, lambda target: write_model_files(target, hf_config, data.tokenizer))
-
-    def log(row: dict) -> None:
-        accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
-
-    progress = TrainingProgress(world_size=accelerator.num_processes)
-    if resume_from:
-        progress = checkpoints.load(resume_from, model, cfg.seed)
-        if main:  # rows logged after that checkpoint belong to the lost part of the run
-            truncate_metrics(run_dir / "metrics.jsonl", progress.step)
-        accelerator.print(f"resumed from {resume_from} at step {progress.step}")
-        if change := rescale_learning_rate(scheduler.scheduler, cfg.learning_rate):
-            accelerator.print(change)
-    # Everything is checked: from here on the run writes into its dir.
-    if main:
-        (run_dir / "run_config.yaml").write_text(config_yaml)
-        if not resume_from:
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    accelerator.init_trackers("tensorboard", config=cfg.to_dict())
-    accelerator.print(f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
-                      f"{shards.total_params:,} parameters in {fsdp_units} FSDP unit(s), per rank "
-                      f"{shards.local_params_per_rank}; {data.description}; {total_steps} steps")
-
-    evals = []
-
-    def run_eval() -> dict:
-        result = task.evaluate(model, eval_loader, accelerator, metric)
-        progress.best_eval_loss = min(progress.best_eval_loss, result["eval_loss"])
-        log({"step": progress.step, "epoch": progress.epoch, **result})
-        evals.append((progress.step, result))
-        return result
-
-    if not resume_from:
-        run_eval()
-
-    # The loop.
-    model.train()
-    samples_per_step = global_batch * cfg.gradient_accumulation_steps
-    throughput_per_step = samples_per_step * task.units_per_sample()
-    with tqdm(total=total_steps, initial=progress.step, disable=not main, desc="training", dynamic_ncols=True) as bar, \
-            StepProfiler(cfg.profile_steps, run_dir / "profile", accelerator.process_index) as profiler:
-        start = time.perf_counter()
-        step_start = start
-        window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-        loss = None  # stays None when a resume has no step left to run
-        state_bytes = None  # measured once, after the first optimizer step
-        while progress.step < total_steps:
-            # Non-zero only right after a resume; rounds down when the world size changed.
-            skip = progress.samples_in_epoch // global_batch
-            progress.samples_in_epoch = skip * global_batch
-            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-            batches.set_epoch(progress.epoch)  # the order of an epoch depends on (seed, epoch) only
-            for batch in batches:
-                with accelerator.accumulate(model):
-                    loss_t = task.loss(model, batch)
-                    accelerator.backward(loss_t)
-                    window_loss += loss_t.detach()
-                    window_batches += 1
-                    if accelerator.sync_gradients:
-                        grad_norm = to_float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
-                        lr = scheduler.get_last_lr()[0]
-                        optimizer.step()
-                        if state_bytes is None:
-                            state_bytes = persistent_state_bytes(model, optimizer)
-                        if not schedule_per_epoch:
-                            scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                progress.samples_in_epoch += global_batch
-                if not accelerator.sync_gradients:
-                    continue
-
-                # One optimizer step done.
-                progress.step += 1
-                # One collective for the loss and for "a rank was asked to stop".
-                shared = accelerator.reduce(torch.stack([window_loss / window_batches,
-                                                         torch.tensor(stop.flag, device=accelerator.device)]),
-                                            reduction="mean").tolist()
-                loss, stop_requested = shared[0], shared[1] > 0
-                window_loss.zero_()
-                window_batches = 0
-                now = time.perf_counter()
-                step_time, step_start = now - step_start, now
-                if not math.isfinite(loss):
-                    raise UsageError(non_finite_loss_message(loss, progress.step, run_dir, cfg.learning_rate))
-                progress.epoch_loss_sum += loss
-                progress.epoch_steps += 1
-                if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                    log({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": lr,
-                               "grad_norm": grad_norm, "step_time_s": step_time,
-                               task.throughput_key: throughput_per_step / step_time})
-                profiler.step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}",
-                                **{task.throughput_key: f"{throughput_per_step / step_time:,.0f}"})
-
-                epoch_end = accelerator.gradient_state.end_of_dataloader
-                if epoch_end:  # from here on, `epoch` counts the finished epochs
-                    epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
-                    progress.epoch += 1
-                    progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
-                    log({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
-                    if schedule_per_epoch:
-                        scheduler.step()
-                eval_due = (cfg.eval_every and progress.step % cfg.eval_every == 0) or \
-                    (epoch_end and cfg.eval_every_epochs and progress.epoch % cfg.eval_every_epochs == 0)
-                if eval_due and progress.step < total_steps:
-                    run_eval()
-                checkpoints.maybe_save(progress, config_yaml, epoch_end=epoch_end)
-                if stop_requested:
-                    checkpoints.maybe_save(progress, config_yaml, final=True)
-                    raise Stopped(f"{stop.name()} at step {progress.step}; checkpoint {complete_checkpoints(run_dir)[-1]} "
-                                  f"is complete: continue with `finetune resume {run_dir}`", stop.received or 15)
-                step_start = time.perf_counter()  # eval and checkpoint time is not step time
-                if progress.step >= total_steps:
-                    break
-    train_time = time.perf_counter() - start
-
-    run_eval()
-    checkpoints.maybe_save(progress, config_yaml, final=True)
-
-    # Consolidate the full state on rank 0 and write the HF model dir.
-    state_dict = accelerator.get_state_dict(model)
-    # Under `accelerate launch --dynamo_backend ...` the unwrapped model is still
-    # the torch.compile wrapper, whose keys carry its prefix.
-    state_dict = {name.removeprefix("_orig_mod."): tensor for name, tensor in state_dict.items()}
-    final_dir = run_dir / "final"
-    if main:
-        write_model_dir(state_dict, hf_config, final_dir, tokenizer=data.tokenizer, overwrite=True)
-    accelerator.wait_for_everyone()
-
-    is_fsdp = accelerator.distributed_type == DistributedType.FSDP
-    summary = {
-        "task": cfg.task,
-        "model": cfg.model,
-        "world_size": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
-        "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version if is_fsdp else None,
-        "mixed_precision": accelerator.mixed_precision,
-        "total_params": shards.total_params,
-        "fsdp_units": fsdp_units,
-        "local_params_per_rank": shards.local_params_per_rank,
-        "peak_memory_bytes_per_rank": gather_ints(accelerator, peak_memory_bytes(accelerator)),
-        "state_bytes_per_rank": gather_ints(accelerator, sum(state_bytes.values()) if state_bytes else 0),
-        "train_time_s": train_time,
-        "steps": progress.step,
-        "final_loss": loss,
-        "first_eval": evals[0][1] if evals[0][0] == 0 else None,
-        "last_eval": evals[-1][1],
+def run_summary(run: Run, final_dir: Path) -> dict:
+    acc = run.accelerator
+    is_fsdp = acc.distributed_type == DistributedType.FSDP
+    return {
+        "task": run.cfg.task,
+        "model": run.cfg.model,
+        "world_size": acc.num_processes,
+        "distributed_type": acc.distributed_type.value,
+        "fsdp_version": acc.state.fsdp_plugin.fsdp_version if is_fsdp else None,
+        "mixed_precision": acc.mixed_precision,
+        "total_params": run.shards.total_params,
+        "fsdp_units": run.fsdp_units,
+        "local_params_per_rank": run.shards.local_params_per_rank,
+        "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc)),
+        "state_bytes_per_rank": gather_ints(acc, sum(run.state_bytes.values())),
+        "train_time_s": run.train_seconds,
+        "steps": run.progress.step,
+        "final_loss": run.last_loss,
+        "metric": run.task.metric_name,
+        "first_eval": run.evals[0][1] if run.evals[0][0] == 0 else None,
+        "last_eval": run.evals[-1][1],
         "final_model_dir": str(final_dir),
     }
-    if main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        (run_dir / "summary.md").write_text(summary_markdown(summary, run_dir))
-        if (run_dir / "metrics.jsonl").is_file():
-            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    return summary

@@ -120,9 +120,9 @@ def matmul_peak_flops(threads: int, dtype_name: str, seconds: float = 0.5) -> fl
 
 
 def train_flops_per_token(model: str, block_size: int, total_params: int) -> float:
-    from finetune import models
+    from finetune.presets import GPT2_PRESETS
 
-    shape = models.GPT2_PRESETS[model]
+    shape = GPT2_PRESETS[model]
     return 6 * total_params + 12 * shape["n_layer"] * shape["n_embd"] * block_size
 
 
@@ -279,11 +279,12 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
 
     from finetune import models
     from finetune.data.text import load_raw_text, tokenize_and_group
+    from finetune.presets import GPT2_PRESETS
 
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
     blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
     torch.manual_seed(42)
-    model = models.build_gpt2_preset(args.model, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = models.build_gpt2(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
 
     class StepTimer(TrainerCallback):
         """Time between step ends, data loading included: what our loop logs as step_time_s."""

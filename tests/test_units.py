@@ -17,8 +17,8 @@ from finetune.config import TrainConfig, config_fields, load_config
 from finetune.data.text import load_raw_text, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
-from finetune.export import write_model_dir
-from finetune.train import lr_factor
+from finetune.model_dir import write_model_dir
+from finetune.optim import lr_factor
 
 # --- config ---------------------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ def test_bf16_model_dir_is_half_the_size(tmp_path):
 
 
 def test_next_token_loss_predicts_the_following_token():
-    from finetune.metrics import next_token_loss, next_token_nll
+    from finetune.tasks.causal_lm import next_token_loss, next_token_nll
 
     torch.manual_seed(0)
     logits, ids = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))

@@ -1,0 +1,81 @@
+"""Where data comes from, with one rule for every task: `builtin` (the task's
+embedded default), a local file or dir, or a Hub dataset id; then which split
+trains and which is held out for evaluation.
+
+text.py and images.py turn what this returns into token blocks or pixels.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from datasets import Dataset, DatasetDict, load_dataset
+
+from finetune.errors import UsageError
+
+# Held-out splits a dataset may bring, in the order they are preferred.
+HELD_OUT_SPLITS = ("validation", "test")
+
+
+def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders: dict[str, str],
+                accepted: str) -> DatasetDict:
+    """`file_builders` maps the file suffixes a task reads to `datasets`
+    builders; `accepted` names them for error messages."""
+    if dataset == "builtin":
+        return builtin()
+    path = Path(dataset)
+    if path.exists():
+        return _load_local(path, file_builders, accepted)
+    if dataset.startswith((".", "/", "~")) or path.suffix.lower() in file_builders:
+        raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
+    try:
+        return load_dataset(dataset)
+    except Exception as e:  # datasets raises many types for unreachable or unknown ids
+        raise UsageError(f"could not load Hub dataset {dataset!r} ({type(e).__name__}); "
+                         "check the id and the network, or pass a local file or dir, or 'builtin'") from None
+
+
+def _load_local(path: Path, file_builders: dict[str, str], accepted: str) -> DatasetDict:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*")
+                                                 if p.is_file() and p.suffix.lower() in file_builders)
+    if path.is_file() and path.suffix.lower() not in file_builders:
+        raise UsageError(f"--dataset {path}: unsupported file type {path.suffix!r}; use {accepted}")
+    if not files:
+        raise UsageError(f"--dataset {path} holds no {accepted}; point it at a data file or a dir of them")
+    builders = {file_builders[p.suffix.lower()] for p in files}
+    if len(builders) > 1:
+        raise UsageError(f"--dataset {path} mixes file types ({', '.join(sorted(builders))}); keep one type per dir")
+    if all(p.stat().st_size == 0 for p in files):
+        raise UsageError(f"--dataset {path} is empty; give it some data")
+    builder = builders.pop()
+    try:
+        # A dir keeps the splits its file names give (train*, validation*, test*: datasets' own rules).
+        if path.is_dir():
+            return load_dataset(builder, data_dir=str(path))
+        return load_dataset(builder, data_files=[str(path)])
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise UsageError(f"could not read --dataset {path} as {builder} ({type(e).__name__}); "
+                         "check the file format") from None
+
+
+def train_split(raw: DatasetDict) -> Dataset:
+    return raw["train"] if "train" in raw else raw[next(iter(raw))]
+
+
+def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int) -> DatasetDict:
+    """`train` and `validation`: the data's own held-out split when it has one,
+    else a `validation_split` fraction of the training samples (the same ones
+    for the same seed). With a single sample there is nothing to hold out, so
+    it is evaluated on as well, and a warning says so."""
+    train = train_split(raw)
+    held_out = next((raw[name] for name in HELD_OUT_SPLITS if name in raw and len(raw[name]) > 0), None)
+    if held_out is not None:
+        return DatasetDict(train=train, validation=held_out)
+    if len(train) < 2:
+        warnings.warn("the data holds a single sample: nothing can be held out, so evaluation uses the training "
+                      "data; add samples or a validation split for a real held-out score", stacklevel=2)
+        return DatasetDict(train=train, validation=train)
+    split = train.train_test_split(test_size=validation_split, seed=seed)
+    return DatasetDict(train=split["train"], validation=split["test"])

@@ -1,0 +1,113 @@
+"""Writing a Hugging Face model dir: safetensors only, split into shards with
+an index when large, tied weights stored once, the HF config, a generation
+config for generative models and the tokenizer for text models; written to a
+temporary dir and renamed into place when complete.
+
+The end of training (`RUN_DIR/final`), every checkpoint's `model_config/` and
+`finetune export` all write through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from finetune.errors import UsageError
+from finetune.tasks import task_for_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The architecture a config describes, without memory (works for any size)."""
+    task = task_for_config(config)
+    if task is None:
+        raise UsageError(f"{type(config).__name__} is neither a causal LM nor an image classifier this tool trains; "
+                         "pass a model of one of its tasks")
+    with torch.device("meta"):
+        return task.auto().from_config(config)
+
+
+def tied_duplicates(model: torch.nn.Module) -> dict[str, str]:
+    """Map each tied parameter name to the name it shares storage with."""
+    first_name: dict[int, str] = {}
+    duplicates = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            duplicates[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    return duplicates
+
+
+def check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UsageError(f"output dir {out_dir} exists and is not empty; pass --overwrite or choose another --output")
+    parent = out_dir.absolute().parent
+    existing = next(p for p in [parent, *parent.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"cannot write to {out_dir} ({existing} is not a writable directory); choose another --output")
+
+
+def write_model_files(target: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None = None,
+                      generation_config: GenerationConfig | None = None) -> None:
+    """Everything of a model dir but its weights: config, generation config
+    (generative models only), tokenizer (text models only)."""
+    config.save_pretrained(target)
+    task = task_for_config(config)
+    if task is not None and task.generative:
+        (generation_config or GenerationConfig.from_model_config(config)).save_pretrained(target)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+
+
+def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfig, out_dir: str | Path, *,
+                    tokenizer: PreTrainedTokenizerBase | None = None,
+                    generation_config: GenerationConfig | None = None,
+                    dtype: str = "float32", max_shard_size: str | int = "2GB", overwrite: bool = False) -> Path:
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite)
+    torch_dtype = DTYPES[dtype]
+
+    duplicates = tied_duplicates(meta_model(config))
+    tensors = {}
+    for name in list(state_dict):
+        if name in duplicates and duplicates[name] in state_dict:
+            continue  # stored once, under the name the model ties it to
+        tensor = state_dict[name].detach().to("cpu")
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch_dtype)
+        tensors[name] = tensor.contiguous()  # no copy when already fp32, contiguous and on CPU
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
+    try:
+        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=max_shard_size)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: tensors[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        config = config.__class__.from_dict(config.to_dict())
+        config.dtype = dtype
+        write_model_files(tmp, config, tokenizer, generation_config)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

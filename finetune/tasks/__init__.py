@@ -1,0 +1,94 @@
+"""The task registry: every task this tool trains, by name, with the Auto
+class of its models, its presets and the config defaults that differ for it.
+
+Adding a task means one entry here and one `Task` subclass in its own module
+(see base.py for what the loop asks of it). This module is light on purpose:
+the config and the command line read it without importing torch; a task's
+class, whose module imports the heavy libraries, is loaded only when a run,
+an export or an evaluation needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import UsageError
+from finetune.presets import CNN_PRESETS, GPT2_PRESETS
+
+if TYPE_CHECKING:
+    from finetune.config import TrainConfig
+    from finetune.tasks.base import Task
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    name: str
+    task_class: str                  # "module:Class" of its Task
+    auto_class: str                  # the transformers Auto class its models load with...
+    model_mapping: str               # ...and that class's public mapping of config classes to models
+    presets: tuple[str, ...]         # named models built from scratch (finetune/presets.py)
+    defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig values that differ for this task
+    generative: bool = False         # its models generate text: exports carry a generation config
+    has_tokenizer: bool = False      # its models come with a tokenizer, saved next to them
+
+    def load_class(self) -> type["Task"]:
+        module, name = self.task_class.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def auto(self):
+        return getattr(_transformers(), self.auto_class)
+
+    def builds(self, config) -> bool:
+        """Whether this task's Auto class has a model for this HF config."""
+        return type(config) in getattr(_transformers(), self.model_mapping)
+
+
+def _transformers():
+    import transformers
+
+    import finetune.models  # noqa: F401  (registers the lecture CNN with the Auto classes)
+
+    return transformers
+
+
+REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
+    TaskEntry("causal-lm", "finetune.tasks.causal_lm:CausalLM", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING",
+              tuple(GPT2_PRESETS), generative=True, has_tokenizer=True),
+    # The lectures' recipe: Adam 1e-2 with L2 decay 1e-4, StepLR halving every
+    # epoch, clipping at 0.1, accumulation 4, mini-batch 64, a checkpoint every 5 epochs.
+    TaskEntry("image-classification", "finetune.tasks.image_classification:ImageClassification",
+              "AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING", tuple(CNN_PRESETS),
+              defaults=dict(
+                  model="lecture-cnn", optimizer="adam", learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999,
+                  weight_decay=1e-4, lr_scheduler="step", lr_gamma=0.5, max_grad_norm=0.1,
+                  gradient_accumulation_steps=4, per_device_batch_size=64, num_epochs=10, checkpoint_every_epochs=5,
+                  eval_every_epochs=1, sample_prompt="")),
+)}
+
+
+def task_of_preset(model: str) -> TaskEntry | None:
+    return next((entry for entry in REGISTRY.values() if model in entry.presets), None)
+
+
+def is_preset(model: str) -> bool:
+    return task_of_preset(model) is not None
+
+
+def task_for_config(config) -> TaskEntry | None:
+    """The task whose Auto class builds models of this HF config, if any."""
+    return next((entry for entry in REGISTRY.values() if entry.builds(config)), None)
+
+
+def check_preset_task(model: str, task: str) -> None:
+    """A preset serves one task; say which before anything is loaded."""
+    entry = task_of_preset(model)
+    if entry is not None and entry.name != task:
+        fitting = ", ".join(REGISTRY[task].presets)
+        raise UsageError(f"--model {model} is for --task {entry.name}, not {task}; "
+                         f"pass --task {entry.name}, or a model for --task {task} ({fitting})")
+
+
+def build_task(cfg: "TrainConfig") -> "Task":
+    return REGISTRY[cfg.task].load_class()(cfg)

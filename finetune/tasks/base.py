@@ -1,0 +1,88 @@
+"""What the training loop, `finetune evaluate` and the summary ask of a task:
+its data and model, its loss, its evaluation (which owns its metric) and the
+unit its throughput is counted in. One subclass per task, registered in
+finetune/tasks/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import Accelerator
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from finetune import models
+from finetune.config import TrainConfig
+from finetune.errors import UsageError
+from finetune.tasks import REGISTRY, TaskEntry, task_for_config
+
+if TYPE_CHECKING:
+    import evaluate
+
+METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics_modules"
+
+
+@dataclass
+class TaskData:
+    train: Dataset
+    validation: Dataset
+    tokenizer: PreTrainedTokenizerBase | None  # saved with the model (text only)
+    description: str                            # "1437 train / 360 validation images of 28x28"
+
+
+class Task:
+    name: str
+    metric_name: str                                # the key of its score in every evaluation
+    throughput_key: str                             # metrics.jsonl's name for units per second
+    batch_size_options = "--per_device_batch_size"  # what shrinks one batch, for the too-little-data error
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self._metric: "evaluate.EvaluationModule | None" = None
+
+    @property
+    def entry(self) -> TaskEntry:
+        return REGISTRY[self.name]
+
+    def units_per_sample(self) -> int:
+        """Turns samples/s into the throughput unit (tokens for text)."""
+        return 1
+
+    def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
+        """The model and the data, checked before the run writes anything."""
+        raise NotImplementedError
+
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, split: str) -> Dataset:
+        """A split built exactly as training builds it, for `finetune evaluate`."""
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
+        """`eval_loss`, the metric under `metric_name`, and what else the metric reports."""
+        raise NotImplementedError
+
+    def metric(self, accelerator: Accelerator) -> "evaluate.EvaluationModule":
+        """The task's `evaluate` module, shipped in the package (no Hub needed)."""
+        if self._metric is None:
+            import evaluate  # seconds to import: only runs that evaluate pay for it
+
+            # evaluate copies the module into its cache on load: one rank at a time.
+            with accelerator.main_process_first():
+                self._metric = evaluate.load(str(METRICS_DIR / self.metric_name), keep_in_memory=True)
+        return self._metric
+
+    def pretrained_model(self) -> PreTrainedModel:
+        """`--model` as a Hub id or a local HF model dir, refused when it is a model for another task."""
+        cfg, presets = self.cfg, ", ".join(self.entry.presets)
+        config = models.load_config(cfg.model, cfg.trust_remote_code, presets)
+        other = task_for_config(config)
+        if other not in (self.entry, None):
+            raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
+                             f"pass --task {other.name}, or a model for --task {self.name}")
+        return models.load_pretrained(cfg.model, self.entry.auto(), config, cfg.trust_remote_code, presets)
