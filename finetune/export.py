@@ -5,6 +5,7 @@ and write them as a Hugging Face model dir (model_dir.py).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,7 +51,9 @@ def load_full_state_dict(weights: Path) -> dict[str, torch.Tensor]:
     # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
     merged = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
               for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    dcp.load(merged, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(merged, storage_reader=reader, no_dist=True)
     # Accelerate saves {"model": state_dict}: every key path is ("model", name).
     paths = metadata.planner_data or {}
     if merged and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in merged):

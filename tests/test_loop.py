@@ -1,0 +1,111 @@
+"""The loop's bookkeeping between two optimizer steps (`after_step`), driven by
+hand in this process: one rank, no process group, a real Accelerator,
+checkpoint manager, LR schedule and metrics file, and a task whose
+evaluation only counts its calls."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.checkpoint import CheckpointManager, TrainingProgress, read_progress
+from finetune.config import load_config
+from finetune.distributed import ShardReport, build_accelerator
+from finetune.errors import Stopped, UsageError
+from finetune.models import build_cnn
+from finetune.optim import LRSchedule, build_optimizer, build_scheduler
+from finetune.presets import CNN_PRESETS
+from finetune.report import JSONLTracker
+from finetune.stopping import StopSignals
+from finetune.tasks.base import Task, TaskData
+from finetune.train import Run, StepResult, after_step
+
+
+class CountingTask(Task):
+    name = "image-classification"
+    metric_name = "accuracy"
+    throughput_key = "samples_per_sec"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.evaluated_at: list[int] = []
+        self.run: Run | None = None
+
+    def evaluate(self, model, loader, accelerator):
+        self.evaluated_at.append(self.run.progress.step)
+        return {"eval_loss": 0.5, "accuracy": 0.75}
+
+
+def make_run(run_dir: Path) -> Run:
+    cfg = load_config(None, {"task": "image-classification", "output_dir": str(run_dir), "max_steps": 10,
+                             "eval_every": 2, "checkpoint_every": 3, "per_device_batch_size": 4,
+                             "gradient_accumulation_steps": 1})
+    run_dir.mkdir(parents=True)
+    accelerator = build_accelerator(1, cfg.seed, [JSONLTracker(run_dir / "metrics.jsonl")], run_dir)
+    accelerator.init_trackers("after-step-test")
+    model = build_cnn(CNN_PRESETS["lecture-cnn"])
+    optimizer = build_optimizer(model, cfg)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, 10))
+    task = CountingTask(cfg)
+    checkpoints = CheckpointManager(accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=0, keep_last=0,
+                                    config_yaml="task: image-classification\n",
+                                    hf_config=accelerator.unwrap_model(model).config, tokenizer=None)
+    params = sum(p.numel() for p in model.parameters())
+    run = Run(cfg=cfg, accelerator=accelerator, task=task, data=TaskData([], [], None, "none"), model=model,
+              optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=None,
+              eval_loader=None, checkpoints=checkpoints, stop=StopSignals(), total_steps=10,
+              progress=TrainingProgress(), shards=ShardReport(params, [params]), fsdp_units=0)
+    task.run = run
+    return run
+
+
+def step(loss: float, epoch_end: bool = False) -> StepResult:
+    return StepResult(torch.tensor(loss), grad_norm=1.5, lr=0.01, seconds=0.25, epoch_end=epoch_end)
+
+
+def test_after_step_through_epoch_end_evaluation_checkpoint_and_stop(tmp_path):
+    run_dir = tmp_path / "run"
+    run = make_run(run_dir)
+    lr = run.schedule.lr
+
+    after_step(run, step(2.0))  # step 1: nothing is due
+    assert run.progress.step == 1 and run.last_loss == 2.0
+    assert run.task.evaluated_at == [] and not (run_dir / "checkpoints").exists()
+    assert run.schedule.lr == lr  # the lectures' StepLR counts epochs, not steps
+
+    after_step(run, step(4.0, epoch_end=True))  # step 2: the epoch ends and an evaluation is due
+    assert run.progress.epoch == 1 and run.progress.samples_in_epoch == 0 and run.progress.epoch_steps == 0
+    assert run.schedule.lr == pytest.approx(lr * run.cfg.lr_gamma)
+    assert run.task.evaluated_at == [2]
+
+    after_step(run, step(1.0))  # step 3: a checkpoint is due
+    checkpoint = run_dir / "checkpoints" / "step_000003"
+    assert checkpoint.is_dir() and read_progress(checkpoint).step == 3
+    assert read_progress(checkpoint).epoch == 1 and read_progress(checkpoint).epoch_loss_sum == 1.0
+
+    run.stop.received = signal.SIGTERM  # as the handler records a Ctrl-C or SIGTERM
+    with pytest.raises(Stopped, match="SIGTERM at step 4; checkpoint .*step_000004 is complete") as stopped:
+        after_step(run, step(3.0))
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert read_progress(run_dir / "checkpoints" / "step_000004").step == 4
+    assert run.task.evaluated_at == [2, 4]
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert [(r["step"], r["loss"], r["epoch"]) for r in train] == [(1, 2.0, 0), (2, 4.0, 0), (3, 1.0, 1), (4, 3.0, 1)]
+    assert all(r["samples_per_sec"] == 4 / 0.25 and r["grad_norm"] == 1.5 for r in train)
+    assert [(r["step"], r["epoch_loss"]) for r in rows if "epoch_loss" in r] == [(2, 3.0)]  # mean of 2.0 and 4.0
+    assert [(r["step"], r["accuracy"]) for r in rows if "eval_loss" in r] == [(2, 0.75), (4, 0.75)]
+
+
+def test_after_step_refuses_a_non_finite_loss_and_names_the_checkpoint_to_go_back_to(tmp_path):
+    run = make_run(tmp_path / "run")
+    for loss in (2.0, 2.0, 2.0, 2.0):  # a checkpoint at step 3
+        after_step(run, step(loss))
+    with pytest.raises(UsageError, match="the loss is nan at step 5.*newest checkpoint whose weights still gave a "
+                                         "finite loss is .*step_000003"):
+        after_step(run, step(float("nan")))
