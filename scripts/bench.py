@@ -52,6 +52,7 @@ runs `--quick --suite configs --only single` so this script cannot rot).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -306,8 +307,13 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
         logging_steps=args.steps, disable_tqdm=True, dataloader_drop_last=True, seed=42)
     collate = lambda rows: {"input_ids": torch.stack([r["input_ids"] for r in rows]),  # noqa: E731
                             "labels": torch.stack([r["input_ids"] for r in rows])}
-    Trainer(model=model, args=training_args, train_dataset=blocks, data_collator=collate,
-            callbacks=[timer]).train()
+    trainer = Trainer(model=model, args=training_args, train_dataset=blocks, data_collator=collate, callbacks=[timer])
+    trainer.train()
+    # The Trainer runs in this process: give its GPU memory back before our loop's processes need it.
+    del trainer, model
+    gc.collect()
+    if on_gpu():
+        torch.cuda.empty_cache()
     return timer.times
 
 
