@@ -44,6 +44,10 @@ class TaskEntry:
         """Whether this task's Auto class has a model for this HF config."""
         return type(config) in getattr(_transformers(), self.model_mapping)
 
+    def model_class(self, config) -> type:
+        """The class this task's Auto class builds for this HF config."""
+        return getattr(_transformers(), self.model_mapping)[type(config)]
+
 
 def _transformers():
     import transformers
@@ -77,8 +81,14 @@ def is_preset(model: str) -> bool:
 
 
 def task_for_config(config) -> TaskEntry | None:
-    """The task whose Auto class builds models of this HF config, if any."""
-    return next((entry for entry in REGISTRY.values() if entry.builds(config)), None)
+    """The task a model of this HF config was saved for. One config class can
+    serve several tasks (GPT2Config: a causal LM, a sequence classifier, ...),
+    so the architecture `save_pretrained` recorded decides; without one, the
+    first task whose Auto class builds the config."""
+    able = [entry for entry in REGISTRY.values() if entry.builds(config)]
+    saved_as = set(getattr(config, "architectures", None) or ())
+    return next((entry for entry in able if entry.model_class(config).__name__ in saved_as), None) or \
+        next(iter(able), None)
 
 
 def check_preset_task(model: str, task: str) -> None:

@@ -82,7 +82,7 @@ class Task:
         cfg, presets = self.cfg, ", ".join(self.entry.presets)
         config = models.load_config(cfg.model, cfg.trust_remote_code, presets)
         other = task_for_config(config)
-        if other not in (self.entry, None):
+        if other is not None and not self.entry.builds(config):
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
         return models.load_pretrained(cfg.model, self.entry.auto(), config, cfg.trust_remote_code, presets)
