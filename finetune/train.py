@@ -40,8 +40,8 @@ from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
 from finetune.report import build_trackers, truncate_metrics, write_summary
 from finetune.stopping import StopSignals
-from finetune.tasks import build_task, check_preset_task
-from finetune.tasks.base import Task, TaskData
+from finetune.tasks import check_preset_task
+from finetune.tasks.base import Task, TaskData, build_task
 
 
 @dataclass

@@ -282,7 +282,7 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
     from finetune.data.text import load_raw_text, tokenize_and_group
     from finetune.presets import GPT2_PRESETS
 
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer", trust_remote_code=False)
     blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
     torch.manual_seed(42)
     model = models.build_gpt2(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id)

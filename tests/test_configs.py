@@ -75,7 +75,8 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
     plain_peak = summary(runs["fsdp.yaml"])["peak_memory_bytes_per_rank"]
     ac_peak = summary(runs["fsdp_activation_checkpointing.yaml"])["peak_memory_bytes_per_rank"]
-    assert max(ac_peak) < min(plain_peak), (ac_peak, plain_peak)
+    # Rank for rank: rank 0 alone also trains the tokenizer and writes the consolidated model.
+    assert all(ac < plain for ac, plain in zip(ac_peak, plain_peak)), (ac_peak, plain_peak)
 
     ac_run = runs["fsdp_activation_checkpointing.yaml"]
     check_ok(run_cli(["resume", str(ac_run), "--max_steps", "3"], env, config="fsdp_activation_checkpointing.yaml",

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from finetune.errors import UsageError
 from finetune.presets import CNN_PRESETS, GPT2_PRESETS
-
-if TYPE_CHECKING:
-    from finetune.config import TrainConfig
-    from finetune.tasks.base import Task
 
 
 @dataclass(frozen=True)
@@ -33,7 +29,8 @@ class TaskEntry:
     generative: bool = False         # its models generate text: exports carry a generation config
     has_tokenizer: bool = False      # its models come with a tokenizer, saved next to them
 
-    def load_class(self) -> type["Task"]:
+    def load_class(self) -> type:
+        """Its finetune.tasks.base.Task subclass."""
         module, name = self.task_class.split(":")
         return getattr(importlib.import_module(module), name)
 
@@ -98,7 +95,3 @@ def check_preset_task(model: str, task: str) -> None:
         fitting = ", ".join(REGISTRY[task].presets)
         raise UsageError(f"--model {model} is for --task {entry.name}, not {task}; "
                          f"pass --task {entry.name}, or a model for --task {task} ({fitting})")
-
-
-def build_task(cfg: "TrainConfig") -> "Task":
-    return REGISTRY[cfg.task].load_class()(cfg)

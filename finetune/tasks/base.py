@@ -86,3 +86,7 @@ class Task:
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
         return models.load_pretrained(cfg.model, self.entry.auto(), config, cfg.trust_remote_code, presets)
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    return REGISTRY[cfg.task].load_class()(cfg)

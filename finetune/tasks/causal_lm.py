@@ -80,7 +80,7 @@ class CausalLM(Task):
                 tok = train_bpe_tokenizer(text_iterator(raw_train), GPT2_PRESETS[cfg.model]["vocab_size"])
                 tok.save_pretrained(tokenizer_dir)
             accelerator.wait_for_everyone()
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
             set_seed(cfg.seed)  # every rank initialises the same weights before sharding
             model = models.build_gpt2(GPT2_PRESETS[cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
         else:
