@@ -25,15 +25,16 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from safetensors import safe_open
-from torch.distributed.checkpoint import FileSystemReader
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from finetune.distributed import canonical_name, rank_warning
 from finetune.errors import UsageError
 from finetune.model_dir import write_model_files
+from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
 
 
 PROGRESS_FILE = "training_progress.json"
@@ -62,11 +63,14 @@ def checkpoint_step(checkpoint_dir: Path) -> int:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temp dirs are never listed)."""
+    """Complete checkpoints of a run, oldest first. Temporary dirs are never
+    listed, and neither are symlinks: a link may point outside the run, and
+    pruning must never delete through one."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name.startswith(PREFIX)
+             and p.name[len(PREFIX):].isdigit()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -86,37 +90,55 @@ def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path:
 
 
 def read_progress(checkpoint_dir: Path) -> TrainingProgress:
-    saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
-    known = {f.name for f in fields(TrainingProgress)}  # older checkpoints hold fields since dropped
-    return TrainingProgress(**{k: v for k, v in saved.items() if k in known})
-
-
-def check_dcp_files(shard_dir: Path) -> FileSystemReader:
-    """Every file the DCP metadata names exists and is long enough."""
+    path = checkpoint_dir / PROGRESS_FILE
+    known = {f.name: f.type for f in fields(TrainingProgress)}
     try:
-        reader = FileSystemReader(str(shard_dir))
-        metadata = reader.read_metadata()
-    except Exception:
-        raise UsageError(f"{shard_dir} has no readable DCP metadata (.metadata); the checkpoint is incomplete, "
+        saved = json.loads(path.read_text())
+        # Older checkpoints hold fields since dropped; every field kept is a number.
+        values = {k: v for k, v in saved.items() if k in known}
+        if "step" not in values or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           for v in values.values()):
+            raise ValueError
+        return TrainingProgress(**{k: int(v) if known[k] == "int" else float(v) for k, v in values.items()})
+    except (OSError, ValueError, AttributeError):
+        raise UsageError(f"{path} is missing or not this tool's training progress; the checkpoint is damaged, "
                          "resume from an earlier one") from None
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = shard_dir / name
-        if not path.is_file():
-            raise UsageError(f"shard {path} is missing; the checkpoint is incomplete, resume from an earlier one")
-        if path.stat().st_size < size:
-            raise UsageError(f"shard {path} is truncated ({path.stat().st_size} of {size} bytes); "
-                             "the checkpoint is damaged, resume from an earlier one")
-    return reader
+
+
+def saved_config(checkpoint_dir: Path) -> dict:
+    """The run config a checkpoint was written with ({} for one without)."""
+    try:
+        saved = yaml.safe_load((checkpoint_dir / "run_config.yaml").read_text())
+    except OSError:
+        return {}
+    except yaml.YAMLError:
+        raise UsageError(f"{checkpoint_dir / 'run_config.yaml'} is not valid YAML; the checkpoint is damaged, "
+                         "resume from an earlier one") from None
+    return saved if isinstance(saved, dict) else {}
+
+
+def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
+    """Everything a resume reads, checked before anything is loaded: the
+    manifest's checksums, the progress, the DCP shards (their metadata and
+    non-tensor items read safely), the optimizer, scheduler and RNG files."""
+    verify_manifest(checkpoint_dir)
+    progress = read_progress(checkpoint_dir)
+    for name in (MODEL_SHARDS_DIR, OPTIMIZER_SHARDS_DIR):
+        if (checkpoint_dir / name).is_dir():
+            check_dcp_dir(checkpoint_dir / name)
+    if not (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
+        check_pickled_file(checkpoint_dir / "optimizer.bin")  # the unsharded layout
+    check_pickled_file(checkpoint_dir / "scheduler.bin")
+    for rank in range(progress.world_size):
+        check_pickled_file(checkpoint_dir / f"random_states_{rank}.pkl")
+    return progress
 
 
 def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
     """Parameter shapes stored in a checkpoint, without loading any tensor."""
     shard_dir = checkpoint_dir / MODEL_SHARDS_DIR
     if shard_dir.is_dir():
-        metadata = check_dcp_files(shard_dir).read_metadata()
+        metadata = check_dcp_dir(shard_dir)
         return {fqn.removeprefix("model."): tuple(meta.size) for fqn, meta in metadata.state_dict_metadata.items()
                 if hasattr(meta, "size")}
     weights = checkpoint_dir / "model.safetensors"
@@ -145,8 +167,6 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
     if not (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and sharded_run:
         raise UsageError(f"{checkpoint_dir} was written without FSDP and this run is FSDP; resume it with the "
                          "accelerate config it was trained with, or start from its export with --model")
-    if (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
-        check_dcp_files(checkpoint_dir / OPTIMIZER_SHARDS_DIR)
 
 
 class CheckpointManager:
@@ -166,13 +186,36 @@ class CheckpointManager:
         self.config_yaml = config_yaml
         self.hf_config = hf_config
         self.tokenizer = tokenizer
+        self.last_saved_step: int | None = None  # the state of this step is on disk already
+
+    def start_timeline(self, step: int, resumed: bool) -> None:
+        """Call once the run may write. Checkpoints after `step` belong to a
+        timeline this run abandons (a resume from an older checkpoint, or a
+        fresh run with --overwrite): they are moved aside, never deleted, and
+        never mistaken for this run's."""
+        self.last_saved_step = step if resumed else None
+        acc = self.accelerator
+        if acc.is_main_process:
+            later = [c for c in complete_checkpoints(self.root.parent) if checkpoint_step(c) > step]
+            if later:
+                aside = self._set_aside(later)
+                acc.print(f"moved {len(later)} checkpoint(s) of the abandoned timeline ({later[0].name}..."
+                          f"{later[-1].name}) aside to {aside}")
+        acc.wait_for_everyone()
+
+    def _set_aside(self, checkpoints: list[Path]) -> Path:
+        aside = self.root / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for checkpoint in checkpoints:
+            os.replace(checkpoint, aside / checkpoint.name)
+        return aside
 
     def maybe_save(self, progress: TrainingProgress, *, epoch_end: bool = False, final: bool = False) -> Path | None:
         """Call after every optimizer step, after every epoch (epoch_end, with
         progress.epoch already counting the finished epoch) and at the end."""
         due = (final or (self.every > 0 and progress.step % self.every == 0)
                or (epoch_end and self.every_epochs > 0 and progress.epoch % self.every_epochs == 0))
-        if not due or (self.root / checkpoint_name(progress.step)).exists():
+        if not due or progress.step == self.last_saved_step:
             return None
         return self.save(progress)
 
@@ -193,9 +236,13 @@ class CheckpointManager:
             write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         acc.wait_for_everyone()  # every rank's shards are on disk
         if acc.is_main_process:
+            write_manifest(tmp)  # last: a checkpoint with a manifest is complete
+            if target.exists():  # not this run's (start_timeline moved its predecessors aside)
+                self._set_aside([target])
             os.replace(tmp, target)
             self._prune()
         acc.wait_for_everyone()
+        self.last_saved_step = progress.step
         acc.print(f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
 
@@ -208,8 +255,14 @@ class CheckpointManager:
 
     def load(self, checkpoint_dir: Path, model: torch.nn.Module, seed: int) -> TrainingProgress:
         acc = self.accelerator
+        start = time.perf_counter()
+        progress = verify_checkpoint(checkpoint_dir)
+        if (checkpoint_dir / MANIFEST).is_file():
+            acc.print(f"verified {checkpoint_dir} against its manifest in {time.perf_counter() - start:.2f} s")
+        else:
+            acc.print(f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
+                      "for damage")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), acc.distributed_type == DistributedType.FSDP)
-        progress = read_progress(checkpoint_dir)
         start = time.perf_counter()
         acc.load_state(str(checkpoint_dir))
         acc.print(f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")

@@ -28,6 +28,22 @@ LR_SCHEDULERS = ("cosine", "step")
 REPORTERS = ("jsonl", "tensorboard", "none")
 
 
+# Options a resume may change, and what the change does. Every other option is
+# fixed by the checkpoint: the data, its order, the model and the optimizer's
+# construction depend on them.
+RESUME_MAY_CHANGE = {
+    "max_steps": "the run now ends there; the cosine schedule spans the new length",
+    "num_epochs": "the run now ends there; the cosine schedule spans the new length",
+    "learning_rate": "the rest of the schedule is rescaled to the new peak",
+    "max_grad_norm": "clipping uses it from the next step",
+    "model": "the weights come from the checkpoint, which must fit its shapes (checked)",
+    **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
+                     "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt"),
+                    "applies from the next step"),
+}
+RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
+
+
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -131,6 +147,18 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What a resume changes against the config its checkpoint was written
+    with: one line per change it applies; refused when it changes anything else."""
+    changed = {name: (saved[name], value) for name, value in cfg.to_dict().items()
+               if name in saved and saved[name] != value and name not in RESUME_BOOKKEEPING}
+    refused = [f"--{name} ({old!r} -> {new!r})" for name, (old, new) in changed.items() if name not in RESUME_MAY_CHANGE]
+    if refused:
+        raise UsageError(f"a resume cannot change {', '.join(refused)}: the checkpoint was made with the old value; "
+                         "resume without it, or start a new run in another --output_dir")
+    return [f"--{name} {old!r} -> {new!r}: {RESUME_MAY_CHANGE[name]}" for name, (old, new) in changed.items()]
 
 
 def config_fields() -> list[dataclasses.Field]:

@@ -16,10 +16,11 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
-from finetune.checkpoint import MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, check_dcp_files, complete_checkpoints
+from finetune.checkpoint import MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_checkpoints
 from finetune.errors import UsageError
 from finetune.model_dir import check_output_dir, write_model_dir
 from finetune.tasks import task_for_config
+from finetune.verify import check_dcp_dir, verify_manifest
 
 
 def find_model_weights(path: str | Path) -> Path:
@@ -46,14 +47,13 @@ def load_full_state_dict(weights: Path) -> dict[str, torch.Tensor]:
     """Merge DCP shards (any number of ranks) into one CPU state dict."""
     if weights.is_file():
         return load_file(str(weights))
-    reader = check_dcp_files(weights)
-    metadata = reader.read_metadata()
+    metadata = check_dcp_dir(weights)  # read without unpickling anything but DCP's metadata
     # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
     merged = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
               for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(merged, storage_reader=reader, no_dist=True)
+        dcp.load(merged, storage_reader=dcp.FileSystemReader(str(weights)), no_dist=True)
     # Accelerate saves {"model": state_dict}: every key path is ("model", name).
     paths = metadata.planner_data or {}
     if merged and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in merged):
@@ -61,12 +61,24 @@ def load_full_state_dict(weights: Path) -> dict[str, torch.Tensor]:
     return merged
 
 
+def check_not_inside(output: Path, source: Path) -> None:
+    """--overwrite replaces the output: it must never be the source, hold it, or lie inside it."""
+    out, src = output.resolve(), source.resolve()
+    if out == src or out in src.parents or src in out.parents:
+        where = "the source" if out == src else "inside the source" if src in out.parents else "a dir holding the source"
+        raise UsageError(f"--output {output} is {where} "
+                         f"{source}; choose an --output outside it")
+
+
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
                       model: str | None = None, max_shard_size: str | int = "2GB") -> Path:
     output = Path(output)
+    check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
     weights = find_model_weights(source)
     checkpoint_dir = weights.parent
+    # What the export reads, against the checksums the checkpoint recorded (checkpoints without a manifest predate them).
+    verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR))
     model_files = checkpoint_dir / MODEL_CONFIG_DIR
     config_source = model or (str(model_files) if model_files.is_dir() else None)
     if config_source is None:

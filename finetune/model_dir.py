@@ -48,6 +48,8 @@ def tied_duplicates(model: torch.nn.Module) -> dict[str, str]:
 
 
 def check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"output {out_dir} is a file, not a directory; choose another --output")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UsageError(f"output dir {out_dir} exists and is not empty; pass --overwrite or choose another --output")
     parent = out_dir.absolute().parent

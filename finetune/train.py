@@ -25,16 +25,17 @@ from typing import Iterator
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
-                                 resolve_checkpoint)
-from finetune.config import TrainConfig
+                                 resolve_checkpoint, saved_config)
+from finetune.config import TrainConfig, resume_changes
 from finetune.distributed import (ShardReport, build_accelerator, canonical_name, count_fsdp_units, gather_ints,
                                   peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
+from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
@@ -104,7 +105,7 @@ def train(cfg: TrainConfig) -> dict:
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg.report_to, run_dir),
                                     run_dir)
     try:
-        with StopSignals() as stop:
+        with RunLock(run_dir, accelerator), StopSignals() as stop:
             run = setup_run(cfg, accelerator, stop)
             fit(run)
             return finish(run)
@@ -126,6 +127,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
     """Refuse to mix two runs in one dir. Runs on every rank before the process
     group exists, so no rank can see a file another one just wrote."""
     run_dir = Path(cfg.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
     if cfg.resume_from_checkpoint or cfg.overwrite:
         return
     if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
@@ -140,6 +143,10 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> 
         accelerator.print(warning)
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+    if resume_from:
+        for change in resume_changes(saved_config(resume_from), cfg):
+            accelerator.print(f"resume changes {change}")
+    set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
     task = build_task(cfg)
     model, data = task.build(accelerator, run_dir)
@@ -206,6 +213,7 @@ def resume(run: Run, checkpoint: Path) -> None:
 def start_writing(run: Run, resumed: bool) -> None:
     """Everything is checked: from here on the run writes into its dir."""
     acc = run.accelerator
+    run.checkpoints.start_timeline(run.progress.step, resumed)
     if acc.is_main_process:
         (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
         if not resumed:
