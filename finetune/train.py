@@ -227,6 +227,7 @@ def start_writing(run: Run, resumed: bool) -> None:
 # --- the loop -------------------------------------------------------------------------------------
 
 def fit(run: Run) -> None:
+    run.model.train()  # from_pretrained returns a model in eval mode: dropout off
     start = time.perf_counter()
     with tqdm(total=run.total_steps, initial=run.progress.step, disable=not run.accelerator.is_main_process,
               desc="training", dynamic_ncols=True) as run.bar, \

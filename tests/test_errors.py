@@ -10,12 +10,15 @@ README's troubleshooting section lists (`test_readme_lists_every_message`).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,8 +26,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
+from finetune.checkpoint import verify_checkpoint
+from finetune.errors import UsageError
+from finetune.lock import LOCK_FILE
 
 README = REPO / "README.md"
 SEEN: dict[str, str] = {}  # case id -> message, with the test's paths replaced by placeholders
@@ -208,6 +216,150 @@ def test_damaged_checkpoint(checkpointed_run, tmp_path):
     assert "__1_0.distcp is truncated (1000 of" in line and "resume from an earlier one" in line
     assert snapshot(run_dir) == before
     remember("a damaged checkpoint", re.sub(r"of \d+ bytes", "of N bytes", line), tmp_path)
+
+
+# --- checkpoints and outputs you can trust ---------------------------------------------------------
+
+class RunsCode:
+    """Unpickling this creates the marker file: proof that code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def copy_run(checkpointed_run: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir)
+    return run_dir
+
+
+def plant_in_metadata(checkpoint: Path, marker: Path) -> Path:
+    target = checkpoint / "pytorch_model_fsdp_0" / ".metadata"
+    target.write_bytes(pickle.dumps(RunsCode(marker)))
+    return target
+
+
+def plant_in_optimizer_item(checkpoint: Path, marker: Path) -> Path:
+    """Re-point one non-tensor item of the optimizer (DCP reads those with a full
+    unpickler) at a crafted torch.save payload appended to its shard."""
+    shard_dir = checkpoint / "optimizer_0"
+    with (shard_dir / ".metadata").open("rb") as f:
+        metadata = pickle.load(f)  # the test's own checkpoint
+    index = next(i for i in metadata.storage_data if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    payload = io.BytesIO()
+    torch.save(RunsCode(marker), payload)
+    shard = shard_dir / metadata.storage_data[index].relative_path
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
+    with (shard_dir / ".metadata").open("wb") as f:
+        pickle.dump(metadata, f)
+    return shard
+
+
+def plant_in_torch_file(name: str):
+    def plant(checkpoint: Path, marker: Path) -> Path:
+        torch.save(RunsCode(marker), checkpoint / name)
+        return checkpoint / name
+    return plant
+
+
+PLANTS = {
+    "model metadata": plant_in_metadata,
+    "optimizer item": plant_in_optimizer_item,
+    "scheduler": plant_in_torch_file("scheduler.bin"),
+    "rng state": plant_in_torch_file("random_states_1.pkl"),
+}
+
+
+@pytest.mark.parametrize("where", list(PLANTS))
+def test_a_crafted_pickle_in_a_checkpoint_runs_no_code(where, checkpointed_run, tmp_path):
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    checkpoint = run_dir / "checkpoints" / "step_000012"
+    marker = tmp_path / "code-ran"
+    planted = PLANTS[where](checkpoint, marker)
+    (checkpoint / "manifest.json").unlink()  # as from someone who rewrote the checkpoint whole
+    with pytest.raises(UsageError, match=re.escape(str(planted))):
+        verify_checkpoint(checkpoint)
+    before = snapshot(run_dir)
+    proc = run_in_process("resume", run_dir)  # unlaunched: refused while checking, before anything loads
+    assert proc.returncode == 2 and str(planted) in one_error_line(proc.stderr)
+    if where == "model metadata":
+        export = run_in_process("export", run_dir, "--output", tmp_path / "out")
+        assert export.returncode == 2 and "which DCP metadata never does" in one_error_line(export.stderr)
+        remember("a checkpoint holding code", one_error_line(export.stderr), tmp_path)
+    assert not marker.exists()
+    assert snapshot(run_dir) == before
+
+
+def test_flipped_bytes_in_a_shard_are_refused_naming_the_file(checkpointed_run, tmp_path):
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    shard = run_dir / "checkpoints" / "step_000012" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[4096:5120] = bytes(b ^ 0xFF for b in data[4096:5120])  # 1 KiB, same length
+    shard.write_bytes(bytes(data))
+    before = snapshot(run_dir)
+    for command in (["resume", run_dir], ["export", run_dir, "--output", tmp_path / "out"]):
+        proc = run_in_process(*command)
+        assert proc.returncode == 2, proc.stderr
+        line = one_error_line(proc.stderr)
+        assert f"{shard} does not match the checksum its checkpoint recorded" in line
+    assert snapshot(run_dir) == before and not (tmp_path / "out").exists()
+    remember("a changed checkpoint file", line, tmp_path)
+
+
+@pytest.mark.parametrize("output", ["the run", "a dir inside it", "the dir holding it"])
+def test_export_never_writes_over_its_source(output, checkpointed_run, tmp_path):
+    run_dir = copy_run(checkpointed_run, tmp_path / "runs")
+    target = {"the run": run_dir, "a dir inside it": run_dir / "export", "the dir holding it": run_dir.parent}[output]
+    before = snapshot(tmp_path)
+    proc = run_in_process("export", run_dir, "--output", target, "--overwrite")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "choose an --output outside it" in line
+    assert snapshot(tmp_path) == before
+    remember(f"export --output {output}", line, tmp_path)
+
+
+def test_outputs_that_are_files_are_one_line_errors(tmp_path, checkpointed_run, small_corpus):
+    (tmp_path / "file").write_text("mine")
+    export = run_in_process("export", checkpointed_run, "--output", tmp_path / "file")
+    train = run_in_process("train", *common_args(small_corpus), "--output_dir", tmp_path / "file")
+    for proc, case in ((export, "export --output FILE"), (train, "train --output_dir FILE")):
+        assert proc.returncode == 2
+        line = one_error_line(proc.stderr)
+        assert "is a file, not a directory" in line
+        remember(case, line, tmp_path)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_resume_refuses_what_it_cannot_change_and_keeps_the_run_config(checkpointed_run, tmp_path):
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    before = snapshot(run_dir)
+    proc = run_in_process("resume", run_dir, "--seed", "7", "--block_size", "32")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "a resume cannot change --block_size (64 -> 32), --seed (42 -> 7)" in line
+    assert snapshot(run_dir) == before
+    remember("a resume that changes the data or optimizer", line, tmp_path)
+
+
+def test_a_second_live_run_in_the_same_dir_is_refused(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = {"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}  # this test process: alive
+    (run_dir / LOCK_FILE).write_text(json.dumps(lock))
+    proc = run_in_process("train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", run_dir)
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert f"is in use by a live run (pid {os.getpid()} on {socket.gethostname()}" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
+    remember("a second run in a live run's dir", line.replace(str(os.getpid()), "PID")
+             .replace(socket.gethostname(), "HOST").replace("since now", "since TIME"), tmp_path)
 
 
 # --- under accelerate launch ----------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Checkpoints and runs you can trust: every checkpoint file is in its
+manifest, a dead run's lock is taken over, symlinks are never followed for
+deletion, a rewound resume sets the abandoned timeline aside, and dropout is
+seeded. (The bad-input cases of the same kind, with their one-line messages,
+are in test_errors.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import check_ok, common_args, run_cli, run_in_process, train_rows
+
+from finetune.checkpoint import complete_checkpoints, verify_checkpoint
+from finetune.lock import LOCK_FILE
+
+
+def copy_run(checkpointed_run: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir)
+    return run_dir
+
+
+def test_every_checkpoint_file_is_in_the_manifest(checkpointed_run):
+    checkpoint = checkpointed_run / "checkpoints" / "step_000006"
+    listed = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(listed) == on_disk
+    assert verify_checkpoint(checkpoint).step == 6
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gone = 2**22 + 12345  # above the kernel's default pid range: no such process
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": gone, "host": socket.gethostname(), "since": "then"}))
+    proc = run_in_process("train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", run_dir)
+    check_ok(proc)
+    assert f"was left by pid {gone}, which is no longer running" in proc.stdout
+    assert not (run_dir / LOCK_FILE).exists()  # released at the end
+
+
+def test_symlinked_checkpoints_are_never_listed_or_pruned(tmp_path):
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step_000002").mkdir(parents=True)
+    (checkpoints / "step_000001").symlink_to(outside)
+    assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["step_000002"]
+
+
+@pytest.mark.slow
+def test_a_rewound_resume_sets_the_abandoned_timeline_aside(checkpointed_run, tmp_path, env):
+    """The README's NaN recipe: resume from an older checkpoint. Its later
+    checkpoints belong to the abandoned timeline: moved aside, and the new
+    run's own checkpoints are really written."""
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    old_twelve = (run_dir / "checkpoints" / "step_000012" / "manifest.json").read_text()
+    proc = run_cli(["resume", str(run_dir), "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step_000006"),
+                    "--checkpoint_every", "3", "--max_steps", "9"], env, mixed_precision="no")
+    check_ok(proc)
+    aside = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_000012"]
+    assert (aside[0] / "step_000012" / "manifest.json").read_text() == old_twelve
+    assert "moved 1 checkpoint(s) of the abandoned timeline (step_000012...step_000012) aside" in proc.stdout
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_000006", "step_000009"]
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_000009").step == 9
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, 10))
+
+
+def test_dropout_is_seeded(tmp_path, small_corpus):
+    """A model dir with dropout: the same seed gives the same losses."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from finetune.data.tokenizer import train_bpe_tokenizer
+
+    texts = small_corpus.read_text().splitlines()
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=512)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=128, vocab_size=512,
+                               resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                    ).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    losses = []
+    for name in ("a", "b"):
+        check_ok(run_in_process("train", *common_args(small_corpus), "--model", tmp_path / "model", "--max_steps", "3",
+                                "--output_dir", tmp_path / name))
+        losses.append([r["loss"] for r in train_rows(tmp_path / name)])
+    assert losses[0] == losses[1]
