@@ -188,12 +188,13 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.last_saved_step: int | None = None  # the state of this step is on disk already
 
-    def start_timeline(self, step: int, resumed: bool) -> None:
+    def start_timeline(self, step: int, resumed_from: Path | None) -> None:
         """Call once the run may write. Checkpoints after `step` belong to a
         timeline this run abandons (a resume from an older checkpoint, or a
         fresh run with --overwrite): they are moved aside, never deleted, and
         never mistaken for this run's."""
-        self.last_saved_step = step if resumed else None
+        if resumed_from is not None and resumed_from.resolve().parent == self.root.resolve():
+            self.last_saved_step = step  # the checkpoint resumed from is this run's own
         acc = self.accelerator
         if acc.is_main_process:
             later = [c for c in complete_checkpoints(self.root.parent) if checkpoint_step(c) > step]

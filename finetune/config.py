@@ -37,6 +37,8 @@ RESUME_MAY_CHANGE = {
     "learning_rate": "the rest of the schedule is rescaled to the new peak",
     "max_grad_norm": "clipping uses it from the next step",
     "model": "the weights come from the checkpoint, which must fit its shapes (checked)",
+    # With another number of processes, this keeps the global batch (and so the losses) the same.
+    "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt"),
                     "applies from the next step"),

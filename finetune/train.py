@@ -170,7 +170,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> 
     measure_state_after_first_step(run)
     if resume_from:
         resume(run, resume_from)
-    start_writing(run, resumed=resume_from is not None)
+    start_writing(run, resume_from)
     if not resume_from:
         run.evaluate()
     return run
@@ -210,13 +210,13 @@ def resume(run: Run, checkpoint: Path) -> None:
         run.accelerator.print(change)
 
 
-def start_writing(run: Run, resumed: bool) -> None:
+def start_writing(run: Run, resumed_from: Path | None) -> None:
     """Everything is checked: from here on the run writes into its dir."""
     acc = run.accelerator
-    run.checkpoints.start_timeline(run.progress.step, resumed)
+    run.checkpoints.start_timeline(run.progress.step, resumed_from)
     if acc.is_main_process:
         (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
-        if not resumed:
+        if resumed_from is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     acc.init_trackers("tensorboard", config=run.cfg.to_dict())
     acc.print(f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "

@@ -151,7 +151,8 @@ def test_plain_accelerate_checkpoint_exports_with_model(checkpointed_run, export
 
     plain = tmp_path / "plain"
     shutil.copytree(checkpointed_run / "checkpoints" / "step_000006", plain,
-                    ignore=shutil.ignore_patterns("training_progress.json", "run_config.yaml", "model_config"))
+                    ignore=shutil.ignore_patterns("training_progress.json", "run_config.yaml", "model_config",
+                                                   "manifest.json"))
     refused = finetune("export", plain, "--output", tmp_path / "out", env=env)
     assert refused.returncode == 2 and "pass --model" in refused.stderr
     check_ok(finetune("export", plain, "--output", tmp_path / "out", "--model", checkpointed_run / "final", env=env))
