@@ -197,6 +197,10 @@ class CheckpointManager:
             self.last_saved_step = step  # the checkpoint resumed from is this run's own
         acc = self.accelerator
         if acc.is_main_process:
+            # Saves that died half-way: this run holds the run dir's lock, so nobody is writing them.
+            for leftover in self.root.glob(".tmp-*"):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover)
             later = [c for c in complete_checkpoints(self.root.parent) if checkpoint_step(c) > step]
             if later:
                 aside = self._set_aside(later)

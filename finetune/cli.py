@@ -40,6 +40,41 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{f.name}", metavar=types[f.name].__name__.upper(), **kwargs)
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """80GB, 80GiB, 500MB or a plain number of bytes."""
+    units = {"tib": 1024**4, "tb": 10**12, "gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6,
+             "kib": 1024, "kb": 10**3, "b": 1}
+    lowered = text.strip().lower()
+    suffix = next((u for u in units if lowered.endswith(u)), "")
+    try:
+        value = int(float(lowered[: len(lowered) - len(suffix)]) * units.get(suffix, 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GB, 500MiB or 2000000000") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but bad options are UsageErrors (one line, exit 2), no silent
     prefix matching (--max_step is a typo, not --max_steps), and the options it
@@ -92,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the stored weights (default: 'float32')")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output (default: False)")
-    export.add_argument("--max_shard_size", default="2GB",
+    export.add_argument("--max_shard_size", type=byte_size, default="2GB",
                         help="split the weights into files of at most this size (default: '2GB')")
     export.add_argument("--model", default=None, metavar="NAME_OR_PATH",
                         help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune "
@@ -102,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="generate text from a model dir")
     generate.add_argument("model_dir", help="an exported model dir or a run's final/")
     generate.add_argument("--prompt", required=True, help="text to continue")
-    generate.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate (default: 40)")
+    generate.add_argument("--max_new_tokens", type=positive_int, default=40, help="tokens to generate (default: 40)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(func=cmd_generate, subparser=generate)
 
@@ -110,23 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
     defaults = TrainConfig()
     for name in ("dataset", "text_column", "block_size", "image_column", "label_column", "validation_split", "seed"):
-        evaluate.add_argument(f"--{name}", type=field_types()[name], default=getattr(defaults, name),
+        checked = {"block_size": positive_int, "validation_split": fraction}
+        evaluate.add_argument(f"--{name}", type=checked.get(name, field_types()[name]), default=getattr(defaults, name),
                               help=f"as for train (default: {getattr(defaults, name)!r})")
     evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
                           help="which split to score (default: 'validation')")
-    evaluate.add_argument("--per_device_batch_size", type=int, default=8, help="samples per batch (default: 8)")
+    evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
     memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
-    memory.add_argument("--num_processes", type=int, default=None, help="ranks (default: the accelerate config's, else 2)")
+    memory.add_argument("--num_processes", type=positive_int, default=None, help="ranks (default: the accelerate config's, else 2)")
     memory.add_argument("--accelerate_config", default=None, metavar="FILE",
                         help="take mixed precision and processes from this config and mark its strategy (default: None)")
-    memory.add_argument("--per_device_batch_size", type=int, default=8, help="sequences per device (default: 8)")
-    memory.add_argument("--block_size", type=int, default=128, help="tokens per sequence (default: 128)")
+    memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
+                        help="sequences per device (default: 8)")
+    memory.add_argument("--block_size", type=positive_int, default=128, help="tokens per sequence (default: 128)")
     memory.add_argument("--mixed_precision", choices=["bf16", "no"], default=None,
                         help="compute dtype (default: the accelerate config's, else bf16)")
-    memory.add_argument("--device_memory", default=None, metavar="BYTES|NGB|NGiB",
+    memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
                         help="say which strategies fit in this much memory per device (default: None)")
     memory.set_defaults(func=cmd_estimate_memory, subparser=memory)
     return parser
@@ -180,6 +217,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from finetune.inference import generate_text
 
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty; give it the text to continue")
     print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, args.seed))
     return 0
 
@@ -195,33 +234,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_bytes(text: str) -> int:
-    units = {"gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6, "b": 1}
-    lowered = text.strip().lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            try:
-                return int(float(lowered[: -len(suffix)]) * factor)
-            except ValueError:
-                break
-    try:
-        return int(float(lowered))
-    except ValueError:
-        raise UsageError(f"--device_memory {text!r} is not a size; write e.g. 80GB, 80GiB or 85899345920") from None
-
-
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from finetune.memory import estimate, model_shape, read_launch_config, render
 
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
-    if num_processes < 1 or args.per_device_batch_size < 1 or args.block_size < 1:
-        raise UsageError("--num_processes, --per_device_batch_size and --block_size must be >= 1")
     shape = model_shape(args.model)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision)
-    device_memory = _parse_bytes(args.device_memory) if args.device_memory else None
-    print(render(shape, estimates, num_processes, device_memory))
+    print(render(shape, estimates, num_processes, args.device_memory))
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")
     return 0

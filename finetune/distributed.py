@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,23 @@ def keep_freed_memory_in_process() -> None:
     libc.mallopt(m_top_pad, 64 * 1024 * 1024)
 
 
+def end_with_launcher() -> None:
+    """A rank that `accelerate launch` (or torchrun) started gets SIGTERM when
+    the launcher dies, even by SIGKILL: orphaned ranks would go on holding
+    memory, devices and the run's lock. SIGTERM is a clean stop: the ranks
+    agree on it, save a checkpoint and exit (finetune/stopping.py). Linux only."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher was already gone before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def check_processes_fit_devices() -> None:
     """One process per GPU: more would share a GPU (and NCCL refuses that)."""
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -136,6 +154,7 @@ def rank_warning(accelerator: Accelerator, message: str) -> None:
 
 def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: list | None = None,
                       run_dir: Path | None = None) -> Accelerator:
+    end_with_launcher()
     check_processes_fit_devices()
     check_fsdp_options_supported_here()
     on_cpu = not has_accelerator_device()

@@ -19,7 +19,7 @@ from finetune.errors import UsageError
 LOCK_FILE = ".finetune.lock"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -57,7 +57,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder and holder.get("host") == me["host"] and not _alive(holder["pid"]):
+                if holder and holder.get("host") == me["host"] and not process_alive(holder["pid"]):
                     print(f"note: {self.path} was left by pid {holder['pid']}, which is no longer running: "
                           "taking it over")
                     self.path.unlink(missing_ok=True)

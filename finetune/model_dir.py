@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from finetune.errors import UsageError
+from finetune.lock import process_alive
 from finetune.tasks import task_for_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,6 +59,15 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         raise UsageError(f"cannot write to {out_dir} ({existing} is not a writable directory); choose another --output")
 
 
+def remove_dead_temporaries(out_dir: Path) -> None:
+    """Temporary dirs that writers of this output left when they were killed
+    (`.NAME.tmp-PID`, the process gone)."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and tmp.is_dir() and not tmp.is_symlink() and not process_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_model_files(target: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None = None,
                       generation_config: GenerationConfig | None = None) -> None:
     """Everything of a model dir but its weights: config, generation config
@@ -88,6 +98,7 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
             tensor = tensor.to(torch_dtype)
         tensors[name] = tensor.contiguous()  # no copy when already fp32, contiguous and on CPU
 
+    remove_dead_temporaries(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

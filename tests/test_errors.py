@@ -218,6 +218,40 @@ def test_damaged_checkpoint(checkpointed_run, tmp_path):
     remember("a damaged checkpoint", re.sub(r"of \d+ bytes", "of N bytes", line), tmp_path)
 
 
+OTHER_COMMANDS = {
+    "export --max_shard_size abc": (lambda t, run: ["export", run, "--output", t / "out", "--max_shard_size", "abc"],
+                                    "'abc' is not a size"),
+    "generate --max_new_tokens -1": (lambda t, run: ["generate", run / "final", "--prompt", "The", "--max_new_tokens",
+                                                     "-1"], "--max_new_tokens: must be > 0, got -1"),
+    "generate with an empty prompt": (lambda t, run: ["generate", run / "final", "--prompt", " "], "--prompt is empty"),
+    "evaluate with batch 0": (lambda t, run: ["evaluate", run / "final", "--per_device_batch_size", "0"],
+                              "--per_device_batch_size: must be > 0, got 0"),
+    "evaluate with a block longer than the model": (lambda t, run: ["evaluate", run / "final", "--block_size", "4096"],
+                                                    "--block_size 4096 is longer than the model's 256 positions"),
+    "a validation split that leaves nothing to train on": (
+        lambda t, run: ["train", "--dataset", _three_documents(t), "--validation_split", "0.99", "--output_dir",
+                        t / "new"], "--validation_split 0.99 of 3 samples holds out every one of them"),
+}
+
+
+def _three_documents(tmp: Path) -> Path:
+    (tmp / "three.txt").write_text("One document.\nAnother one.\nA third.\n")
+    return tmp / "three.txt"
+
+
+@pytest.mark.parametrize("case", list(OTHER_COMMANDS))
+def test_bad_input_to_other_commands(case, checkpointed_run, tmp_path):
+    make_args, expected = OTHER_COMMANDS[case]
+    args = make_args(tmp_path, checkpointed_run)
+    before, run_before = snapshot(tmp_path), snapshot(checkpointed_run)
+    proc = run_in_process(*args)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert expected in line and "; " in line, line
+    assert snapshot(tmp_path) == before and snapshot(checkpointed_run) == run_before
+    remember(case, line.replace(str(checkpointed_run), "RUN"), tmp_path)
+
+
 # --- checkpoints and outputs you can trust ---------------------------------------------------------
 
 class RunsCode:

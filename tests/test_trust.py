@@ -7,15 +7,19 @@ are in test_errors.py.)"""
 from __future__ import annotations
 
 import json
+import os
+import random
 import shutil
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import check_ok, common_args, run_cli, run_in_process, train_rows
 
-from finetune.checkpoint import complete_checkpoints, verify_checkpoint
+from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
 from finetune.lock import LOCK_FILE
 
 
@@ -93,3 +97,57 @@ def test_dropout_is_seeded(tmp_path, small_corpus):
                                 "--output_dir", tmp_path / name))
         losses.append([r["loss"] for r in train_rows(tmp_path / name)])
     assert losses[0] == losses[1]
+
+
+CHAOS_ROUNDS = 3
+
+
+@pytest.mark.slow
+def test_chaos_sigkill_anywhere_then_resume_latest(tmp_path, env, small_corpus):
+    """Rounds of: a 2-process run (resuming `latest` after the first), SIGKILL
+    of a random process (either rank or the launcher) at a random moment after
+    its first new checkpoint (mid-step, mid-save or mid-rename), every process
+    gone within a minute (a killed launcher takes its ranks with it), and the
+    newest checkpoint verifying against its manifest. Then a last resume runs
+    to the end: every step logged exactly once."""
+    from test_resume import _launch_background, _rank_pids
+
+    rng = random.Random(20261123)
+    victims = [("launcher", "rank 0", "rank 1")[i % 3] for i in range(CHAOS_ROUNDS)]  # each kind, in random order
+    rng.shuffle(victims)
+    run_dir = tmp_path / "run"
+    newest = 0
+    for round_index, victim in enumerate(victims):
+        args = ["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "2",
+                "--output_dir", str(run_dir)] + (["--resume_from_checkpoint", "latest"] if round_index else [])
+        proc = _launch_background(args, env)
+        try:
+            deadline = time.time() + 120
+            while not any(checkpoint_step(c) > newest for c in complete_checkpoints(run_dir)):
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.5))
+            ranks = _rank_pids(proc.pid)
+            os.kill({"launcher": proc.pid, "rank 0": ranks[0], "rank 1": ranks[1]}[victim], signal.SIGKILL)
+            deadline = time.time() + 60
+            while any(_running(pid) for pid in [proc.pid, *ranks]):
+                assert time.time() < deadline, f"round {round_index}: processes outlived the SIGKILL of the {victim}"
+                proc.poll()
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        latest = complete_checkpoints(run_dir)[-1]
+        assert checkpoint_step(latest) > newest, f"round {round_index} ({victim}) saved no new checkpoint"
+        newest = checkpoint_step(latest)
+        assert verify_checkpoint(latest).step == newest
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", str(newest + 2)], env, mixed_precision="no"))
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, newest + 3)), "each step logged once"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -7,6 +7,7 @@ text.py and images.py turn what this returns into token blocks or pixels.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -77,5 +78,9 @@ def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int) -> 
         warnings.warn("the data holds a single sample: nothing can be held out, so evaluation uses the training "
                       "data; add samples or a validation split for a real held-out score", stacklevel=2)
         return DatasetDict(train=train, validation=train)
+    held_out_count = math.ceil(validation_split * len(train))  # as train_test_split rounds
+    if held_out_count >= len(train):
+        raise UsageError(f"--validation_split {validation_split} of {len(train)} samples holds out every one of "
+                         "them, leaving none to train on; lower --validation_split or add data")
     split = train.train_test_split(test_size=validation_split, seed=seed)
     return DatasetDict(train=split["train"], validation=split["test"])

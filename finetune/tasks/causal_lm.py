@@ -67,6 +67,7 @@ class CausalLM(Task):
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, split: str) -> Dataset:
         cfg = self.cfg
+        self._check_block_size(model)
         raw = load_raw_text(cfg.dataset, cfg.text_column, cfg.validation_split, cfg.seed)
         return tokenize_and_group(DatasetDict({split: raw[split]}), tokenizer, cfg.block_size)[split]
 
@@ -95,10 +96,13 @@ class CausalLM(Task):
         if len(tokenizer) > model.config.vocab_size:
             raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but --model {cfg.model} only "
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
-        if cfg.block_size > model.config.max_position_embeddings:
-            raise UsageError(f"--block_size {cfg.block_size} is longer than the model's "
-                             f"{model.config.max_position_embeddings} positions; lower --block_size")
+        self._check_block_size(model)
         return tokenizer, model
+
+    def _check_block_size(self, model: PreTrainedModel) -> None:
+        if self.cfg.block_size > model.config.max_position_embeddings:
+            raise UsageError(f"--block_size {self.cfg.block_size} is longer than the model's "
+                             f"{model.config.max_position_embeddings} positions; lower --block_size")
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         # No KV cache: a training forward never reuses it.
