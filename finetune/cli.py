@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import TrainConfig, config_fields, field_types, load_config
-from finetune.errors import Stopped, UsageError
+from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
 
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         if is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except RankLost as e:  # every rank that noticed says so: the one that stopped answering may be rank 0
+        print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except Stopped as e:
         if is_rank_zero():

@@ -40,7 +40,8 @@ RESUME_MAY_CHANGE = {
     # With another number of processes, this keeps the global batch (and so the losses) the same.
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
-                     "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt"),
+                     "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
+                     "ddp_timeout"),
                     "applies from the next step"),
 }
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
@@ -105,6 +106,8 @@ class TrainConfig:
                               "RUN_DIR/profile/ (0 = no profiling)")
     sample_prompt: str = _opt("The", "prompt for the sample printed from the final causal LM ('' = no sample)")
     overwrite: bool = _opt(False, "allow writing into an output_dir that already holds another run")
+    ddp_timeout: int = _opt(1800, "seconds a rank waits for the others in a collective before the run ends, naming "
+                            "the ranks that stopped answering (long enough for the main process to prepare data)")
 
     def resolved(self) -> "TrainConfig":
         """Fill in defaults that depend on other fields."""
@@ -114,7 +117,7 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every"]
+        positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
         for name in positive:

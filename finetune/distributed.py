@@ -16,14 +16,16 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration
+from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from finetune.errors import UsageError
+from finetune.errors import RankLost, UsageError
 
 
 def fsdp_requested() -> bool:
@@ -69,7 +71,7 @@ def check_fsdp_options_supported_here() -> None:
                          "use accelerate_configs/fsdp.yaml")
 
 
-def enable_fsdp_on_cpu() -> None:
+def enable_fsdp_on_cpu(timeout: timedelta) -> None:
     """Make Accelerate build real FSDP2 over gloo on a CPU-only machine.
 
     `PartialState(cpu=True)` initialises the gloo process group as MULTI_CPU.
@@ -77,7 +79,7 @@ def enable_fsdp_on_cpu() -> None:
     shared state is presented as MULTI_GPU while the Accelerator is built;
     `restore_cpu_state` puts it back afterwards. Nothing else is patched.
     """
-    state = PartialState(cpu=True)
+    state = PartialState(cpu=True, timeout=timeout)
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.distributed_type = DistributedType.MULTI_GPU
 
@@ -153,18 +155,19 @@ def rank_warning(accelerator: Accelerator, message: str) -> None:
 
 
 def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: list | None = None,
-                      run_dir: Path | None = None) -> Accelerator:
+                      run_dir: Path | None = None, timeout_s: int = 1800) -> Accelerator:
     end_with_launcher()
+    timeout = timedelta(seconds=timeout_s)
     check_processes_fit_devices()
     check_fsdp_options_supported_here()
     on_cpu = not has_accelerator_device()
     if on_cpu:
         keep_freed_memory_in_process()
     if on_cpu and fsdp_requested():
-        enable_fsdp_on_cpu()
+        enable_fsdp_on_cpu(timeout)
     elif on_cpu and launched_world_size() > 1:
         # Without cpu=True, Accelerate leaves every CPU rank alone (NO).
-        PartialState(cpu=True)
+        PartialState(cpu=True, timeout=timeout)
     accelerator = Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         # We step the LR schedule once per optimizer step ourselves, so the
@@ -174,6 +177,7 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
         # after a resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         log_with=log_with or None,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)) if run_dir else None,
     )
     restore_cpu_state()
@@ -272,3 +276,38 @@ def peak_memory_bytes(accelerator: Accelerator) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class Heartbeats:
+    """Each rank touches its file after every optimizer step. A rank whose
+    collective timed out names the ranks whose files went quiet: the ones that
+    stopped answering (a hung or stopped process, a lost machine)."""
+
+    def __init__(self, run_dir: Path, accelerator: Accelerator, timeout_s: int):
+        self.dir = Path(run_dir) / ".heartbeats"
+        self.rank, self.world_size, self.timeout_s = accelerator.process_index, accelerator.num_processes, timeout_s
+
+    def beat(self) -> None:
+        if self.world_size > 1:
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / f"rank{self.rank}").touch()
+
+    def lost(self, error: BaseException) -> RankLost:
+        now = time.time()
+        quiet = [r for r in range(self.world_size) if r != self.rank and now - self._last_beat(r) > self.timeout_s / 2]
+        who = f"rank(s) {', '.join(map(str, quiet))}" if quiet else "another rank"
+        return RankLost(f"[rank {self.rank}] {who} stopped answering: no collective completed within --ddp_timeout "
+                        f"{self.timeout_s} s ({type(error).__name__}); once it is running again, or gone, continue "
+                        f"with `finetune resume {self.dir.parent}`")
+
+    def _last_beat(self, rank: int) -> float:
+        try:
+            return (self.dir / f"rank{rank}").stat().st_mtime
+        except OSError:
+            return 0.0
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """gloo and NCCL say so in their messages; torch wraps them in RuntimeError or DistBackendError."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)

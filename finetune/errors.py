@@ -3,6 +3,9 @@
 `UsageError` is bad user input: the CLI prints it as a single line (no
 traceback) and exits with code 2. Its message must name the problem and the fix.
 
+`RankLost` is a run ended because a rank stopped answering: one line from
+the ranks that noticed, naming the silent ones, exit code 1.
+
 `Stopped` is a run stopped by Ctrl-C or SIGTERM after saving a checkpoint: one
 line saying where to resume, exit code 128 + the signal number, as shells report
 a process ended by that signal.
@@ -17,3 +20,7 @@ class Stopped(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class RankLost(Exception):
+    exit_code = 1

@@ -32,8 +32,9 @@ from tqdm.auto import tqdm
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
                                  resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, resume_changes
-from finetune.distributed import (ShardReport, build_accelerator, canonical_name, count_fsdp_units, gather_ints,
-                                  peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
+from finetune.distributed import (Heartbeats, ShardReport, build_accelerator, canonical_name, count_fsdp_units,
+                                  gather_ints, is_collective_timeout, peak_memory_bytes, persistent_state_bytes,
+                                  slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
@@ -59,6 +60,7 @@ class Run:
     eval_loader: DataLoader
     checkpoints: CheckpointManager
     stop: StopSignals
+    heartbeats: Heartbeats
     total_steps: int
     progress: TrainingProgress
     shards: ShardReport
@@ -103,12 +105,17 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = Path(cfg.output_dir)
     fresh_run_dir = not run_dir.exists()
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg.report_to, run_dir),
-                                    run_dir)
+                                    run_dir, timeout_s=cfg.ddp_timeout)
+    heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
-            run = setup_run(cfg, accelerator, stop)
+            run = setup_run(cfg, accelerator, stop, heartbeats)
             fit(run)
             return finish(run)
+    except RuntimeError as e:
+        if is_collective_timeout(e):
+            raise heartbeats.lost(e) from None
+        raise
     except UsageError:
         # Bad input found before the run started writing (run_config.yaml comes
         # first) leaves no half-made run dir behind.
@@ -138,7 +145,7 @@ def check_run_dir(cfg: TrainConfig) -> None:
 
 # --- setup ----------------------------------------------------------------------------------------
 
-def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> Run:
+def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats) -> Run:
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
     run_dir = Path(cfg.output_dir)
@@ -164,7 +171,8 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals) -> 
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
-              eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, total_steps=total_steps,
+              eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
+              total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
               shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model))
     measure_state_after_first_step(run)
@@ -282,6 +290,7 @@ def after_step(run: Run, result: StepResult) -> None:
     non-finite loss and Stopped (after a checkpoint) when a rank was asked to stop."""
     acc, cfg, progress = run.accelerator, run.cfg, run.progress
     progress.step += 1
+    run.heartbeats.beat()
     # One collective for the loss and for "a rank was asked to stop".
     loss, stop_votes = acc.reduce(torch.stack([result.loss, torch.tensor(run.stop.flag, device=acc.device)]),
                                   reduction="mean").tolist()

@@ -14,7 +14,7 @@ import torch
 
 from finetune.checkpoint import CheckpointManager, TrainingProgress, read_progress
 from finetune.config import load_config
-from finetune.distributed import ShardReport, build_accelerator
+from finetune.distributed import Heartbeats, ShardReport, build_accelerator
 from finetune.errors import Stopped, UsageError
 from finetune.models import build_cnn
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
@@ -57,7 +57,8 @@ def make_run(run_dir: Path) -> Run:
     params = sum(p.numel() for p in model.parameters())
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=TaskData([], [], None, "none"), model=model,
               optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=None,
-              eval_loader=None, checkpoints=checkpoints, stop=StopSignals(), total_steps=10,
+              eval_loader=None, checkpoints=checkpoints, stop=StopSignals(),
+              heartbeats=Heartbeats(run_dir, accelerator, cfg.ddp_timeout), total_steps=10,
               progress=TrainingProgress(), shards=ShardReport(params, [params]), fsdp_units=0)
     task.run = run
     return run

@@ -151,3 +151,30 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_ends_the_run_with_one_line_naming_it(tmp_path, env, small_corpus):
+    """SIGSTOP one rank mid-run: the other times out in its next collective
+    (--ddp_timeout) and the run ends, naming the silent rank, instead of hanging."""
+    from test_resume import _launch_background, _rank_pids
+
+    run_dir = tmp_path / "run"
+    proc = _launch_background(["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "2",
+                               "--ddp_timeout", "5", "--output_dir", str(run_dir)], env)
+    try:
+        deadline = time.time() + 120
+        while not complete_checkpoints(run_dir):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.01)
+        ranks = _rank_pids(proc.pid)
+        os.kill(ranks[1], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert "[rank 0] rank(s) 1 stopped answering: no collective completed within --ddp_timeout 5 s" in errors[0]
+    assert f"continue with `finetune resume {run_dir}`" in errors[0]
+    assert proc.returncode != 0 and not _running(ranks[1])  # the launcher took the stopped rank down too
