@@ -31,7 +31,7 @@ from accelerate.utils import DistributedType, set_seed
 from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from finetune.distributed import canonical_name, rank_warning
+from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
 from finetune.model_dir import write_model_files
 from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
@@ -42,6 +42,7 @@ MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_SHARDS_DIR = "optimizer_0"
 MODEL_CONFIG_DIR = "model_config"
 PREFIX = "step_"
+FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
 
 @dataclass
@@ -225,31 +226,50 @@ class CheckpointManager:
         return self.save(progress)
 
     def save(self, progress: TrainingProgress) -> Path:
+        """Written under a temporary name and renamed when every rank is done.
+        A write that fails on any rank (a full disk, a read-only dir) fails on
+        all of them alike: the temporary dir goes, earlier checkpoints stay."""
         acc = self.accelerator
         start = time.perf_counter()
         target = self.root / checkpoint_name(progress.step)
         tmp = self.root / f".tmp-{target.name}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        if acc.is_main_process:
-            progress.world_size = acc.num_processes
-            (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
-            (tmp / "run_config.yaml").write_text(self.config_yaml)
-            write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
-        acc.wait_for_everyone()  # every rank's shards are on disk
-        if acc.is_main_process:
-            write_manifest(tmp)  # last: a checkpoint with a manifest is complete
-            if target.exists():  # not this run's (start_timeline moved its predecessors aside)
-                self._set_aside([target])
-            os.replace(tmp, target)
-            self._prune()
-        acc.wait_for_everyone()
+        try:
+            on_every_rank(acc, lambda: self._make_dir(tmp))
+            on_every_rank(acc, lambda: acc.save_state(str(tmp)))
+            on_every_rank(acc, lambda: self._complete(tmp, target, progress))
+        except WriteFailed as e:
+            # torch.save's own words for a full disk are cryptic: look at the disk before freeing the temporary dir.
+            free = shutil.disk_usage(self.root).free
+            reason = f"no space left on the device, {free:,} bytes free" if free < FULL_DISK_BYTES else str(e)
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            newest = complete_checkpoints(self.root.parent)
+            kept = f"{newest[-1]} is intact" if newest else "no earlier checkpoint exists"
+            raise UsageError(f"could not write checkpoint {target} ({reason}); {kept}: free space or fix the "
+                             f"permissions of {self.root}, then continue with `finetune resume {self.root.parent}`") from None
         self.last_saved_step = progress.step
         acc.print(f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
+
+    def _make_dir(self, tmp: Path) -> None:
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
+            tmp.mkdir(parents=True)
+
+    def _complete(self, tmp: Path, target: Path, progress: TrainingProgress) -> None:
+        """After every rank's shards are on disk: the main process adds the
+        progress, the configs and, last, the manifest, then renames."""
+        if not self.accelerator.is_main_process:
+            return
+        progress.world_size = self.accelerator.num_processes
+        (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
+        (tmp / "run_config.yaml").write_text(self.config_yaml)
+        write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
+        write_manifest(tmp)  # last: a checkpoint with a manifest is complete
+        if target.exists():  # not this run's (start_timeline moved its predecessors aside)
+            self._set_aside([target])
+        os.replace(tmp, target)
+        self._prune()
 
     def _prune(self) -> None:
         """Drop all but the newest keep_last complete checkpoints (never the newest)."""

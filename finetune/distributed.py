@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
+                               gather_object)
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.errors import RankLost, UsageError
 
@@ -311,3 +313,37 @@ def is_collective_timeout(error: BaseException) -> bool:
     """gloo and NCCL say so in their messages; torch wraps them in RuntimeError or DistBackendError."""
     text = str(error).lower()
     return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+class WriteFailed(Exception):
+    """A write failed on some rank; the message is that rank's reason."""
+
+
+def on_every_rank(accelerator: Accelerator, action) -> None:
+    """Run `action` on this rank, then agree with the others (one collective)
+    on whether it failed anywhere with an OS error (a full disk, a read-only
+    dir): if so, every rank raises WriteFailed with the first rank's reason,
+    instead of one rank dying and the others waiting for it."""
+    reason = None
+    try:
+        action()
+    except (OSError, CheckpointException, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        if is_collective_timeout(e):
+            raise
+        reason = _reason(e)
+    reasons = [reason] if accelerator.num_processes == 1 else gather_object([reason])
+    failed = [r for r in reasons if r is not None]
+    if failed:
+        raise WriteFailed(failed[0])
+
+
+def _reason(error: BaseException) -> str:
+    """The OS's words for the first OS error inside (DCP wraps each rank's in a CheckpointException)."""
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    for failure in getattr(error, "failures", {}).values():  # rank -> (exception, traceback)
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, BaseException):
+            return _reason(cause)
+    first_line = str(error).strip().splitlines()[0][:100] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__

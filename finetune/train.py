@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,9 +33,9 @@ from tqdm.auto import tqdm
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
                                  resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, resume_changes
-from finetune.distributed import (Heartbeats, ShardReport, build_accelerator, canonical_name, count_fsdp_units,
-                                  gather_ints, is_collective_timeout, peak_memory_bytes, persistent_state_bytes,
-                                  slow_bf16_warning, verify_sharded)
+from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
+                                  count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank, peak_memory_bytes,
+                                  persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
@@ -136,6 +137,10 @@ def check_run_dir(cfg: TrainConfig) -> None:
     run_dir = Path(cfg.output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
+    writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
+    if not os.access(writable, os.W_OK):
+        raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
+                         "--output_dir")
     if cfg.resume_from_checkpoint or cfg.overwrite:
         return
     if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
@@ -370,10 +375,16 @@ def write_final_model(run: Run) -> Path:
     # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
     state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
     final_dir = run.run_dir / "final"
-    if acc.is_main_process:
-        write_model_dir(state_dict, acc.unwrap_model(run.model).config, final_dir, tokenizer=run.data.tokenizer,
-                        overwrite=True)
-    acc.wait_for_everyone()
+
+    def write() -> None:
+        if acc.is_main_process:
+            write_model_dir(state_dict, acc.unwrap_model(run.model).config, final_dir, tokenizer=run.data.tokenizer,
+                            overwrite=True)
+    try:
+        on_every_rank(acc, write)
+    except WriteFailed as e:
+        raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: free space, "
+                         f"then `finetune export {run.run_dir} --output DIR`") from None
     return final_dir
 
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_ok, common_args, run_cli, run_in_process, train_rows
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
 from finetune.lock import LOCK_FILE
@@ -178,3 +182,48 @@ def test_a_rank_that_stops_answering_ends_the_run_with_one_line_naming_it(tmp_pa
     assert "[rank 0] rank(s) 1 stopped answering: no collective completed within --ddp_timeout 5 s" in errors[0]
     assert f"continue with `finetune resume {run_dir}`" in errors[0]
     assert proc.returncode != 0 and not _running(ranks[1])  # the launcher took the stopped rank down too
+
+
+@pytest.mark.slow
+def test_a_full_disk_keeps_the_previous_checkpoint_and_ends_with_one_line(tmp_path, env, small_corpus):
+    """The run dir on a 6 MB filesystem (a tmpfs in a user and mount namespace
+    of its own): the first checkpoint fits, the second does not."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm) to make a small filesystem in")
+    disk, after = tmp_path / "disk", tmp_path / "after"
+    disk.mkdir()
+    run_dir = disk / "run"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
+              "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+              "-m", "finetune", "train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "2",
+              "--output_dir", str(run_dir)]
+    script = (f"mount -t tmpfs -o size=6m tmpfs {disk} || exit 77; {shlex.join(launch)}; code=$?; "
+              f"cp -r {disk} {after}; exit $code")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 77:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"could not write checkpoint {run_dir}/checkpoints/step_000004 (no space left on the device, " in errors[0]
+    assert f"{run_dir}/checkpoints/step_000002 is intact: free space" in errors[0]
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]
+    checkpoints = after / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002"]  # no temporary dir left
+    assert verify_checkpoint(checkpoints / "step_000002").step == 2
+
+
+def test_a_read_only_output_dir_is_refused_before_training(tmp_path, env):
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm) to make a read-only dir in")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    command = shlex.join([sys.executable, "-m", "finetune", "train", "--max_steps", "1", "--output_dir", str(ro / "run")])
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} "
+                           f"|| exit 77; exec {command}"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if proc.returncode == 77:
+        pytest.skip("cannot make a read-only bind mount in a user namespace here")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --output_dir {ro / 'run'} cannot be written ({ro} is read-only); " \
+                                  "choose another --output_dir"
