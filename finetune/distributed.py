@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
                                gather_object)
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.errors import RankLost, UsageError
@@ -327,7 +328,8 @@ def on_every_rank(accelerator: Accelerator, action) -> None:
     reason = None
     try:
         action()
-    except (OSError, CheckpointException, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+    # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError.
+    except (OSError, CheckpointException, RuntimeError, SafetensorError) as e:
         if is_collective_timeout(e):
             raise
         reason = _reason(e)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -97,5 +98,10 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     except OSError:
         generation_config = None
     state_dict = load_full_state_dict(weights)
-    return write_model_dir(state_dict, config, output, tokenizer=tokenizer, generation_config=generation_config,
-                           dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    try:
+        return write_model_dir(state_dict, config, output, tokenizer=tokenizer, generation_config=generation_config,
+                               dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        raise UsageError(f"could not write {output} ({reason}); it was left as it was: free space or choose another "
+                         "--output") from None

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
+from conftest import (
+    CONFIGS,
+    REPO,
+    check_ok,
+    common_args,
+    free_port,
+    run_cli,
+    run_in_process,
+    train_rows,
+)
+from test_errors import one_error_line
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
 from finetune.lock import LOCK_FILE
@@ -227,3 +237,21 @@ def test_a_read_only_output_dir_is_refused_before_training(tmp_path, env):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: --output_dir {ro / 'run'} cannot be written ({ro} is read-only); " \
                                   "choose another --output_dir"
+
+
+def test_export_to_a_full_disk_leaves_nothing_and_says_so(tmp_path, env, checkpointed_run):
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm) to make a small filesystem in")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = shlex.join([sys.executable, "-m", "finetune", "export", str(checkpointed_run), "--output",
+                          str(disk / "out")])
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=300k tmpfs {disk} || exit 77; "
+                           f"{command}; code=$?; ls -A {disk}; exit $code"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 77:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"error: could not write {disk / 'out'} (") and "No space left on device" in line
+    assert proc.stdout.strip() == ""  # the filesystem holds nothing: no output, no temporary dir
