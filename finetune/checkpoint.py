@@ -28,7 +28,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
@@ -144,8 +144,12 @@ def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
                 if hasattr(meta, "size")}
     weights = checkpoint_dir / "model.safetensors"
     if weights.is_file():
-        with safe_open(str(weights), "pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        try:
+            with safe_open(str(weights), "pt") as f:
+                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except (OSError, SafetensorError) as e:
+            raise UsageError(f"{weights} is not readable safetensors ({str(e).strip().splitlines()[0][:80]}); the "
+                             "checkpoint is damaged, resume from an earlier one") from None
     raise UsageError(f"{checkpoint_dir} holds no model weights ({MODEL_SHARDS_DIR}/ or model.safetensors); "
                      "resume from another checkpoint")
 

@@ -45,12 +45,16 @@ _METADATA_GLOBALS = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """A class or function the allow-list does not name."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                      torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 def read_dcp_metadata(shard_dir: Path) -> Metadata:
@@ -61,7 +65,7 @@ def read_dcp_metadata(shard_dir: Path) -> Metadata:
     try:
         with path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise UsageError(f"{path} holds {e}, which DCP metadata never does, so it was not loaded; use a checkpoint "
                          "from a source you trust") from None
     except Exception as e:  # truncated or garbage bytes
@@ -111,7 +115,10 @@ def _load_weights_only(f, where: str) -> None:
     """Accelerate's torch.load: weights_only, with the numpy RNG types it saves allowed."""
     try:
         accelerate_load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
+        if "global" not in str(e).lower():  # no refused class or function named: bytes that are no pickle
+            raise UsageError(f"{where} is not readable (not a torch.save file); the checkpoint is damaged, resume "
+                             "from an earlier one") from None
         raise UsageError(f"{where} holds more than tensors and plain values, so it was not loaded; use a "
                          "checkpoint from a source you trust") from None
     except Exception as e:

@@ -34,6 +34,7 @@ from conftest import (
 from test_errors import one_error_line
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
+from finetune.errors import UsageError
 from finetune.lock import LOCK_FILE
 
 
@@ -255,3 +256,54 @@ def test_export_to_a_full_disk_leaves_nothing_and_says_so(tmp_path, env, checkpo
     line = one_error_line(proc.stderr)
     assert line.startswith(f"error: could not write {disk / 'out'} (") and "No space left on device" in line
     assert proc.stdout.strip() == ""  # the filesystem holds nothing: no output, no temporary dir
+
+
+def _without_manifest(checkpointed_run: Path, tmp_path: Path) -> Path:
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    checkpoint = run_dir / "checkpoints" / "step_000006"
+    (checkpoint / "manifest.json").unlink()  # so that each check below, not the checksums, finds the damage
+    return checkpoint
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda c: shutil.rmtree(c / "optimizer_0"), "optimizer.bin is missing"),
+    (lambda c: (c / "scheduler.bin").unlink(), "scheduler.bin is missing"),
+    (lambda c: (c / "random_states_0.pkl").write_bytes(b"garbage"), "random_states_0.pkl is not readable"),
+    (lambda c: (c / "training_progress.json").write_text("{not json"), "training_progress.json is missing or not"),
+    (lambda c: (c / "training_progress.json").write_text('{"step": "six"}'), "training_progress.json is missing or not"),
+    (lambda c: (c / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"\x80\x04garbage"), ".metadata is not readable"),
+])
+def test_missing_or_garbage_checkpoint_files_are_refused_naming_them(damage, named, checkpointed_run, tmp_path):
+    checkpoint = _without_manifest(checkpointed_run, tmp_path)
+    damage(checkpoint)
+    with pytest.raises(UsageError, match=re.escape(named)):
+        verify_checkpoint(checkpoint)
+
+
+def test_model_dirs_never_run_their_own_code(tmp_path, checkpointed_run):
+    """A model dir whose config names code of its own (`auto_map`): generate,
+    evaluate and export refuse it instead of asking or running the code."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpointed_run / "final", model_dir)
+    marker = tmp_path / "code-ran"
+    (model_dir / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                         "from transformers import GPT2Config\n"
+                                         "class CustomConfig(GPT2Config):\n    model_type = 'custom-gpt2'\n")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="custom-gpt2", auto_map={"AutoConfig": "custom.CustomConfig"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    for command in (["generate", model_dir, "--prompt", "The"], ["evaluate", model_dir],
+                    ["export", checkpointed_run, "--output", tmp_path / "out", "--model", model_dir]):
+        proc = run_in_process(*command)
+        assert proc.returncode == 2, (command, proc.stderr)
+        one_error_line(proc.stderr)
+    assert not marker.exists()
+
+
+def test_an_export_killed_earlier_leaves_no_temporary_dir_behind(tmp_path, checkpointed_run):
+    dead = 2**22 + 4242  # above the kernel's default pid range: no such process
+    leftover = tmp_path / f".out.tmp-{dead}"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    check_ok(run_in_process("export", checkpointed_run, "--output", tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
