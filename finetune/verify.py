@@ -84,12 +84,7 @@ def check_dcp_dir(shard_dir: Path) -> Metadata:
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
-        path = shard_dir / name
-        if not path.is_file():
-            raise UsageError(f"shard {path} is missing; the checkpoint is incomplete, resume from an earlier one")
-        if path.stat().st_size < size:
-            raise UsageError(f"shard {path} is truncated ({path.stat().st_size} of {size} bytes); "
-                             "the checkpoint is damaged, resume from an earlier one")
+        check_present(shard_dir / name, size)
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
@@ -101,6 +96,15 @@ def check_dcp_dir(shard_dir: Path) -> Metadata:
             f.seek(info.offset)
             _load_weights_only(io.BytesIO(f.read(info.length)), f"{path} (item {index.fqn})")
     return metadata
+
+
+def check_present(path: Path, size: int) -> None:
+    """The file exists and holds at least `size` bytes."""
+    if not path.is_file():
+        raise UsageError(f"{path} is missing; the checkpoint is incomplete, resume from an earlier one")
+    if path.stat().st_size < size:
+        raise UsageError(f"{path} is truncated ({path.stat().st_size} of {size} bytes); the checkpoint is damaged, "
+                         "resume from an earlier one")
 
 
 def check_pickled_file(path: Path) -> None:
@@ -159,11 +163,7 @@ def verify_manifest(checkpoint_dir: Path, under: tuple[str, ...] = ("",)) -> boo
         if not name.startswith(under) or ".." in Path(name).parts:
             continue
         file = checkpoint_dir / name
-        if not file.is_file():
-            raise UsageError(f"{file} is missing; the checkpoint is incomplete, resume from an earlier one")
-        if file.stat().st_size < size:
-            raise UsageError(f"{file} is truncated ({file.stat().st_size} of {size} bytes); the checkpoint is damaged, "
-                             "resume from an earlier one")
+        check_present(file, size)
         if file.stat().st_size != size or _sha256(file) != digest:
             raise UsageError(f"{file} does not match the checksum its checkpoint recorded: the file was changed or "
                              "damaged after saving; resume from an earlier checkpoint")
