@@ -230,3 +230,12 @@ def test_estimate_memory_says_what_fits(capsys):
     assert "| 124,439,808 | 124,439,808 | 248,879,616 |" in rows["FSDP full shard"]
     assert rows["DDP"].rstrip().endswith("| no |") and rows["FSDP full shard"].rstrip().endswith("| yes |")
     assert "runs: FSDP SHARD_GRAD_OP" in out
+
+
+def test_estimate_memory_of_a_non_transformer_is_one_line(capsys):
+    from finetune.cli import main
+
+    assert main(["estimate-memory", "--model", "lecture-cnn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: estimate-memory models transformer causal LMs")
+    assert "lecture-cnn is an image-classification model" in err
