@@ -18,7 +18,9 @@ import gc
 import math
 import os
 import shutil
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -110,9 +112,7 @@ def train(cfg: TrainConfig) -> dict:
     heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
-            run = setup_run(cfg, accelerator, stop, heartbeats)
-            fit(run)
-            return finish(run)
+            return run_to_the_end(setup_run(cfg, accelerator, stop, heartbeats))
     except RuntimeError as e:
         if is_collective_timeout(e):
             raise heartbeats.lost(e) from None
@@ -125,10 +125,20 @@ def train(cfg: TrainConfig) -> dict:
         raise
     finally:
         # Free the wrapped model while the process group is alive: a DDP reducer
-        # destroyed after its gloo group hangs in the group's destructor.
+        # destroyed after its gloo group hangs in the group's destructor. The
+        # frames of an exception in flight hold the run (and its model) too.
+        if (in_flight := sys.exc_info()[2]) is not None:
+            traceback.clear_frames(in_flight)
         accelerator.free_memory()
         gc.collect()
         accelerator.end_training()
+
+
+def run_to_the_end(run: Run) -> dict:
+    """The run is this frame's alone: it is freed when the frame ends, before
+    `train` tears down the process group."""
+    fit(run)
+    return finish(run)
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
