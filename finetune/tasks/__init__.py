@@ -73,10 +73,6 @@ def task_of_preset(model: str) -> TaskEntry | None:
     return next((entry for entry in REGISTRY.values() if model in entry.presets), None)
 
 
-def is_preset(model: str) -> bool:
-    return task_of_preset(model) is not None
-
-
 def task_for_config(config) -> TaskEntry | None:
     """The task a model of this HF config was saved for. One config class can
     serve several tasks (GPT2Config: a causal LM, a sequence classifier, ...),
