@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import TrainConfig, config_fields, field_types, load_config
+from finetune.config import TrainConfig, coerce, config_fields, field_types, load_config
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -36,8 +36,44 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         kwargs = dict(default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         if types[f.name] is bool:
             parser.add_argument(f"--{f.name}", nargs="?", const=True, metavar="true|false", **kwargs)
+            if f.name == "packing":
+                parser.add_argument("--no_packing", dest="packing", action="store_const", const=False,
+                                    default=argparse.SUPPRESS, help="same as --packing false")
         else:
             parser.add_argument(f"--{f.name}", metavar=types[f.name].__name__.upper(), **kwargs)
+
+
+# The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
+EVALUATE_DATA_OPTIONS = ("dataset", "data_format", "text_column", "chat_template", "train_on_prompt", "packing",
+                         "long_examples", "block_size", "max_eval_samples", "image_column", "label_column",
+                         "validation_split", "seed")
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def fraction_or_one(text: str) -> float:
+    value = non_negative_float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -135,18 +171,28 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export, subparser=export)
 
     generate = sub.add_parser("generate", help="generate text from a model dir")
-    generate.add_argument("model_dir", help="an exported model dir or a run's final/")
-    generate.add_argument("--prompt", required=True, help="text to continue")
+    generate.add_argument("model_dir", help="an exported model dir, a run's final/, or a .gguf file")
+    generate.add_argument("--prompt", required=True, help="text to continue, or with --chat the user's message")
+    generate.add_argument("--chat", action="store_true",
+                          help="render the prompt as a user turn with the model's chat template and print the answer "
+                               "(default: False)")
     generate.add_argument("--max_new_tokens", type=positive_int, default=40, help="tokens to generate (default: 40)")
+    generate.add_argument("--temperature", type=non_negative_float, default=0.0,
+                          help="sample with this temperature; 0 decodes greedily (default: 0.0)")
+    generate.add_argument("--top_p", type=fraction_or_one, default=1.0,
+                          help="sample from the smallest set of tokens with this probability mass (default: 1.0)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(func=cmd_generate, subparser=generate)
 
     evaluate = sub.add_parser("evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir")
     evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
     defaults = TrainConfig()
-    for name in ("dataset", "text_column", "block_size", "image_column", "label_column", "validation_split", "seed"):
-        checked = {"block_size": positive_int, "validation_split": fraction}
-        evaluate.add_argument(f"--{name}", type=checked.get(name, field_types()[name]), default=getattr(defaults, name),
+    for name in EVALUATE_DATA_OPTIONS:
+        checked = {"block_size": positive_int, "validation_split": fraction, "max_eval_samples": non_negative_int}
+        kind = field_types()[name]
+        kind = (lambda text: coerce(name, text)) if kind is bool else checked.get(name, kind)
+        evaluate.add_argument(f"--{name}", type=kind, default=getattr(defaults, name),
+                              choices=[f for f in config_fields() if f.name == name][0].metadata.get("choices"),
                               help=f"as for train (default: {getattr(defaults, name)!r})")
     evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
                           help="which split to score (default: 'validation')")
@@ -187,7 +233,8 @@ def _run(cfg: TrainConfig) -> int:
     if is_rank_zero():
         print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}\n{eval_line(summary)}")
         if cfg.sample_prompt and REGISTRY[cfg.task].generative:
-            print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt)!r}")
+            chat = summary.get("data_format") in ("chat", "instruction")
+            print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt, chat=chat)!r}")
     return 0
 
 
@@ -219,17 +266,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise UsageError("--prompt is empty; give it the text to continue")
-    print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, args.seed))
+    print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, chat=args.chat,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from finetune.inference import evaluate_model_dir
 
-    result = evaluate_model_dir(args.model_dir, args.dataset, args.split, args.per_device_batch_size,
-                                args.validation_split, args.seed, text_column=args.text_column,
-                                block_size=args.block_size, image_column=args.image_column,
-                                label_column=args.label_column)
+    options = {name: getattr(args, name) for name in (*EVALUATE_DATA_OPTIONS, "per_device_batch_size")}
+    result = evaluate_model_dir(args.model_dir, args.split, options)
     print(json.dumps(result))
     return 0
 

@@ -26,6 +26,8 @@ TASKS = tuple(REGISTRY)
 OPTIMIZERS = ("adamw", "adam")
 LR_SCHEDULERS = ("cosine", "step")
 REPORTERS = ("jsonl", "tensorboard", "none")
+DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
+LONG_EXAMPLES = ("truncate", "drop")
 
 
 # Options a resume may change, and what the change does. Every other option is
@@ -40,7 +42,7 @@ RESUME_MAY_CHANGE = {
     # With another number of processes, this keeps the global batch (and so the losses) the same.
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
-                     "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
+                     "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
                      "ddp_timeout"),
                     "applies from the next step"),
 }
@@ -62,6 +64,19 @@ class TrainConfig:
     text_column: str = _opt("text", "column holding the text in .jsonl/.parquet/Hub datasets")
     image_column: str = _opt("image", "column holding the images (image-classification)")
     label_column: str = _opt("label", "column holding the class ids (image-classification)")
+    data_format: str = _opt("auto", "text (blocks of concatenated text), chat (a messages column), instruction "
+                            "(instruction/input/output), prompt_completion (prompt/completion), or auto: detected "
+                            "from the columns", choices=DATA_FORMATS)
+    chat_template: str = _opt("", "a Jinja chat template file that renders chat and instruction data, replacing the "
+                              "tokenizer's own; saved with the model")
+    train_on_prompt: bool = _opt(False, "SFT: take the loss on every token, not only on the answers and their "
+                                 "end-of-turn tokens")
+    packing: bool = _opt(True, "SFT: pack examples into blocks of block_size (attention never crosses examples); "
+                         "false (--no_packing) pads each batch to its longest example")
+    long_examples: str = _opt("truncate", "SFT examples longer than block_size: truncate or drop (counted either "
+                              "way)", choices=LONG_EXAMPLES)
+    max_train_samples: int = _opt(0, "use only the first N training samples (0 = all)")
+    max_eval_samples: int = _opt(0, "use only the first N held-out samples (0 = all)")
     validation_split: float = _opt(0.05, "fraction held out for evaluation when the data has no validation/test split")
     block_size: int = _opt(128, "tokens per training sequence (causal-lm)")
     trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
@@ -119,7 +134,7 @@ class TrainConfig:
     def validate(self) -> None:
         positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
-                        "profile_steps", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
+                        "profile_steps", "max_train_samples", "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")
@@ -143,7 +158,8 @@ class TrainConfig:
                              "jsonl,tensorboard or none")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
-        for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler", LR_SCHEDULERS)):
+        for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler", LR_SCHEDULERS),
+                              ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 

@@ -95,7 +95,9 @@ class Run:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this rank's mean over the step's micro-batches
+    loss: float         # the step's loss: summed over the global batch, divided by its number of targets
+    units: float        # tokens (not padding) or samples in the global batch
+    stop_votes: float   # ranks that were asked to stop
     grad_norm: float
     lr: float           # the learning rate the step used
     seconds: float      # the step's data loading and compute
@@ -207,8 +209,9 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
                          f"{task.batch_size_options}")
-    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True)
-    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size)
+    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True,
+                              collate_fn=data.collate)
+    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size, collate_fn=data.collate)
     return accelerator.prepare(train_loader, eval_loader)
 
 
@@ -277,17 +280,30 @@ def epoch_batches(run: Run) -> Iterator[dict]:
 def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
     """Forward and backward over micro-batches until Accelerate syncs the
     gradients (gradient_accumulation_steps of them, or the epoch's last), then
-    one optimizer step. None when the epoch has no micro-batch left."""
+    one optimizer step. None when the epoch has no micro-batch left.
+
+    The loss of the step is the sum of the per-target losses over the global
+    batch divided by the number of targets in it, not a mean of per-micro-batch
+    means (those weigh the targets of short micro-batches more). That count is
+    only known after the last micro-batch, so each backward uses a fixed
+    nominal count, and the gradients are rescaled once the true one is summed
+    over the ranks."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
     start = time.perf_counter()
-    loss_sum, micro_batches = torch.zeros((), device=acc.device), 0
+    totals = torch.zeros(3, device=acc.device)  # loss sum, targets, units on this rank
+    nominal = cfg.per_device_batch_size * run.task.units_per_sample()
     for batch in batches:
         with acc.accumulate(model):
-            loss = run.task.loss(model, batch)
-            acc.backward(loss)
-            loss_sum += loss.detach()
-            micro_batches += 1
+            terms = run.task.loss(model, batch)
+            acc.backward(terms.total / nominal)
+            totals += torch.stack([terms.total.detach(), terms.count, terms.units]).to(totals)
             if acc.sync_gradients:
+                loss_sum, count, units, stop_votes = acc.reduce(
+                    torch.cat([totals, torch.tensor([run.stop.flag], device=acc.device)]), reduction="sum").tolist()
+                # Accelerate divided every micro-batch by the accumulation steps and
+                # the gradient reduction averaged over the ranks: undo both, and divide
+                # by the true count instead of the nominal one.
+                scale_gradients(model, nominal * cfg.gradient_accumulation_steps * acc.num_processes / max(count, 1))
                 grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
                 lr = run.schedule.lr
                 run.optimizer.step()
@@ -295,26 +311,30 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
                 run.optimizer.zero_grad(set_to_none=True)
         run.progress.samples_in_epoch += run.global_batch
         if acc.sync_gradients:
-            return StepResult(loss_sum / micro_batches, grad_norm, lr, time.perf_counter() - start,
+            return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
                               epoch_end=acc.gradient_state.end_of_dataloader)
     return None
+
+
+@torch.no_grad()
+def scale_gradients(model: torch.nn.Module, factor: float) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def after_step(run: Run, result: StepResult) -> None:
     """Everything between two optimizer steps. Raises UsageError on a
     non-finite loss and Stopped (after a checkpoint) when a rank was asked to stop."""
-    acc, cfg, progress = run.accelerator, run.cfg, run.progress
+    cfg, progress, loss = run.cfg, run.progress, result.loss
     progress.step += 1
     run.heartbeats.beat()
-    # One collective for the loss and for "a rank was asked to stop".
-    loss, stop_votes = acc.reduce(torch.stack([result.loss, torch.tensor(run.stop.flag, device=acc.device)]),
-                                  reduction="mean").tolist()
     if not math.isfinite(loss):
         raise UsageError(non_finite_loss_message(loss, progress.step, run.run_dir, cfg.learning_rate))
     run.last_loss = loss
     progress.epoch_loss_sum += loss
     progress.epoch_steps += 1
-    throughput = run.global_batch * cfg.gradient_accumulation_steps * run.task.units_per_sample() / result.seconds
+    throughput = result.units / result.seconds
     if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
         run.log({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
                  "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput})
@@ -327,7 +347,7 @@ def after_step(run: Run, result: StepResult) -> None:
     if evaluation_due(cfg, progress, result.epoch_end) and progress.step < run.total_steps:
         run.evaluate()
     run.checkpoints.maybe_save(progress, epoch_end=result.epoch_end)
-    if stop_votes > 0:
+    if result.stop_votes > 0:
         run.checkpoints.maybe_save(progress, final=True)
         raise Stopped(f"{run.stop.name()} at step {progress.step}; checkpoint {complete_checkpoints(run.run_dir)[-1]} "
                       f"is complete: continue with `finetune resume {run.run_dir}`", run.stop.received or 15)
@@ -404,6 +424,7 @@ def run_summary(run: Run, final_dir: Path) -> dict:
     return {
         "task": run.cfg.task,
         "model": run.cfg.model,
+        "data_format": run.data.data_format,
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "fsdp_version": acc.state.fsdp_plugin.fsdp_version if is_fsdp else None,

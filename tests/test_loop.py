@@ -64,8 +64,8 @@ def make_run(run_dir: Path) -> Run:
     return run
 
 
-def step(loss: float, epoch_end: bool = False) -> StepResult:
-    return StepResult(torch.tensor(loss), grad_norm=1.5, lr=0.01, seconds=0.25, epoch_end=epoch_end)
+def step(loss: float, epoch_end: bool = False, stop_votes: int = 0) -> StepResult:
+    return StepResult(loss, units=4, stop_votes=stop_votes, grad_norm=1.5, lr=0.01, seconds=0.25, epoch_end=epoch_end)
 
 
 def test_after_step_through_epoch_end_evaluation_checkpoint_and_stop(tmp_path):
@@ -90,7 +90,7 @@ def test_after_step_through_epoch_end_evaluation_checkpoint_and_stop(tmp_path):
 
     run.stop.received = signal.SIGTERM  # as the handler records a Ctrl-C or SIGTERM
     with pytest.raises(Stopped, match="SIGTERM at step 4; checkpoint .*step_000004 is complete") as stopped:
-        after_step(run, step(3.0))
+        after_step(run, step(3.0, stop_votes=1))
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert read_progress(run_dir / "checkpoints" / "step_000004").step == 4
     assert run.task.evaluated_at == [2, 4]

@@ -1,8 +1,11 @@
-"""The embedded default text: docstrings of the Python standard library.
+"""The embedded defaults, built from the docstrings of the Python standard
+library: plain text (every docstring), and for instruction tuning questions
+about public functions and classes ("What does `json.dumps` do?") answered by
+the first paragraph of their docstrings.
 
 Real English prose about programming, present on every machine that runs this
 package, read with `ast` (nothing is imported or executed) and deterministic for
-a given Python version. It is built at run time into a cache and never
+a given Python version. They are built at run time into a cache and never
 committed.
 """
 
@@ -14,11 +17,14 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Callable, Iterator
 
 # Test suites, GUI tools and vendored code hold little prose.
 SKIP_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__",
              "turtledemo", "ensurepip", "tkinter"}
 MIN_CHARS = 80
+# Answers: a sentence or a short paragraph.
+MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 40, 400
 
 
 def cache_root() -> Path:
@@ -48,21 +54,74 @@ def stdlib_python_files() -> list[Path]:
     return files
 
 
-def build_stdlib_corpus() -> Path:
-    """Write (once) and return a .jsonl file with one docstring per line."""
+def _sources() -> Iterator[tuple[Path, str]]:
+    for path in stdlib_python_files():
+        try:
+            yield path, path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def _write_once(name: str, rows: Callable[[], Iterator[dict]]) -> Path:
+    """Write (once) and return a .jsonl file of `rows` in the cache."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    target = cache_root() / "builtin" / f"stdlib-docstrings-py{version}.jsonl"
+    target = cache_root() / "builtin" / f"{name}-py{version}.jsonl"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("w") as out:
-        for path in stdlib_python_files():
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            for doc in _docstrings(source):
-                out.write(json.dumps({"text": doc}) + "\n")
+        for row in rows():
+            out.write(json.dumps(row) + "\n")
     os.replace(tmp, target)  # atomic: concurrent builders write the same content
     return target
+
+
+def build_stdlib_corpus() -> Path:
+    """One docstring per line, as {"text": ...}."""
+    return _write_once("stdlib-docstrings", lambda: ({"text": doc} for _, source in _sources()
+                                                      for doc in _docstrings(source)))
+
+
+def _module_name(path: Path) -> str | None:
+    """`json.decoder` for .../json/decoder.py; None for private modules."""
+    parts = list(path.relative_to(sysconfig.get_paths()["stdlib"]).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    if not parts or any(p.startswith("_") for p in parts):
+        return None
+    return ".".join(parts)
+
+
+def _first_paragraph(doc: str) -> str:
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def _questions() -> Iterator[dict]:
+    seen = set()
+    for path, source in _sources():
+        module = _module_name(path)
+        if module is None:
+            continue
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:  # public module-level functions and classes
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node, clean=True)
+            answer = _first_paragraph(doc) if doc else ""
+            name = f"{module}.{node.name}"
+            if not MIN_ANSWER_CHARS <= len(answer) <= MAX_ANSWER_CHARS or name in seen:
+                continue
+            seen.add(name)
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            yield {"messages": [{"role": "user", "content": f"What does the Python {kind} `{name}` do?"},
+                                {"role": "assistant", "content": answer}]}
+
+
+def build_stdlib_questions() -> Path:
+    """Questions about public stdlib functions and classes, answered by the
+    first paragraph of their docstrings, as {"messages": [user, assistant]}."""
+    return _write_once("stdlib-questions", _questions)

@@ -84,3 +84,10 @@ def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int) -> 
                          "them, leaving none to train on; lower --validation_split or add data")
     split = train.train_test_split(test_size=validation_split, seed=seed)
     return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def limit_samples(raw: DatasetDict, max_train: int, max_eval: int) -> DatasetDict:
+    """The first `max_train` training and `max_eval` held-out samples (0 = all)."""
+    limits = {"train": max_train, "validation": max_eval}
+    return DatasetDict({name: split.select(range(min(limits.get(name, 0), len(split)))) if limits.get(name) else split
+                        for name, split in raw.items()})

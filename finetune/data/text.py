@@ -1,5 +1,5 @@
-"""Text data for causal LMs: the text column of any source (see sources.py),
-tokenized and cut into blocks.
+"""Text data for causal LMs from any source (see sources.py): plain text,
+tokenized and cut into blocks, or instruction/chat data (see chat.py).
 
 Tokenisation is batched with a fast tokenizer and cached by `datasets`; the
 token stream is then cut into `block_size` blocks, as in transformers' run_clm
@@ -11,20 +11,43 @@ from __future__ import annotations
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.builtin import build_stdlib_corpus
+from finetune.data.builtin import build_stdlib_corpus, build_stdlib_questions
+from finetune.data.chat import SFT_FORMATS, detect_format
 from finetune.data.sources import load_source, train_and_held_out, train_split
 from finetune.errors import UsageError
 
 TEXT_FILES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def _builtin() -> DatasetDict:
+def _builtin_text() -> DatasetDict:
     return load_dataset("json", data_files=str(build_stdlib_corpus()))
+
+
+def _builtin_chat() -> DatasetDict:
+    return load_dataset("json", data_files=str(build_stdlib_questions()))
+
+
+def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float,
+                  seed: int) -> tuple[DatasetDict, str]:
+    """`train` and `validation` splits, and the data format they are in. The
+    embedded default is plain text, or questions and answers for SFT formats."""
+    builtin = _builtin_chat if data_format in SFT_FORMATS else _builtin_text
+    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files")
+    data_format = detect_format(train_split(raw).column_names, data_format, text_column, dataset)
+    if data_format == "text":
+        return _text_splits(raw, dataset, text_column, validation_split, seed), data_format
+    if len(train_split(raw)) == 0:
+        raise UsageError(f"--dataset {dataset} holds no examples; give it some rows")
+    return train_and_held_out(raw, validation_split, seed), data_format
 
 
 def load_raw_text(dataset: str, text_column: str, validation_split: float, seed: int) -> DatasetDict:
     """A DatasetDict with `train` and `validation` splits and a single `text` column."""
-    raw = load_source(dataset, _builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files")
+    raw = load_source(dataset, _builtin_text, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files")
+    return _text_splits(raw, dataset, text_column, validation_split, seed)
+
+
+def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_split: float, seed: int) -> DatasetDict:
     columns = train_split(raw).column_names
     if text_column not in columns:
         raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {', '.join(columns)}); "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from accelerate import Accelerator
@@ -32,6 +32,18 @@ class TaskData:
     validation: Dataset
     tokenizer: PreTrainedTokenizerBase | None  # saved with the model (text only)
     description: str                            # "1437 train / 360 validation images of 28x28"
+    collate: Callable | None = None             # batches rows of different lengths (None: the default collate)
+    data_format: str | None = None              # text, chat, instruction or prompt_completion (text tasks)
+
+
+@dataclass
+class LossSum:
+    """A micro-batch's loss before normalisation. The loop divides the sum over
+    the whole global batch (every micro-batch, every rank) by the count over
+    it, so ragged batches weigh every target the same."""
+    total: torch.Tensor   # sum of the per-target losses
+    count: torch.Tensor   # number of targets (tokens with a label, or samples)
+    units: torch.Tensor   # what throughput counts: real tokens, or samples
 
 
 class Task:
@@ -42,6 +54,7 @@ class Task:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.model_source = cfg.model  # where --model is read from (a GGUF file's converted dir)
         self._metric: "evaluate.EvaluationModule | None" = None
 
     @property
@@ -56,11 +69,12 @@ class Task:
         """The model and the data, checked before the run writes anything."""
         raise NotImplementedError
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, split: str) -> Dataset:
-        """A split built exactly as training builds it, for `finetune evaluate`."""
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                 split: str) -> tuple[Dataset, Callable | None]:
+        """A split built exactly as training builds it, for `finetune evaluate`, and its collate function."""
         raise NotImplementedError
 
-    def loss(self, model, batch: dict) -> torch.Tensor:
+    def loss(self, model, batch: dict) -> LossSum:
         raise NotImplementedError
 
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
@@ -80,12 +94,12 @@ class Task:
     def pretrained_model(self) -> PreTrainedModel:
         """`--model` as a Hub id or a local HF model dir, refused when it is a model for another task."""
         cfg, presets = self.cfg, ", ".join(self.entry.presets)
-        config = models.load_config(cfg.model, cfg.trust_remote_code, presets)
+        config = models.load_config(self.model_source, cfg.trust_remote_code, presets)
         other = task_for_config(config)
         if other is not None and not self.entry.builds(config):
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
-        return models.load_pretrained(cfg.model, self.entry.auto(), config, cfg.trust_remote_code, presets)
+        return models.load_pretrained(self.model_source, self.entry.auto(), config, cfg.trust_remote_code, presets)
 
 
 def build_task(cfg: TrainConfig) -> Task:

@@ -1,10 +1,11 @@
-"""Causal language modelling: text cut into token blocks, next-token
-cross-entropy, perplexity."""
+"""Causal language modelling: text cut into token blocks, or instruction/chat
+examples with labels on the answers (packed or padded); next-token
+cross-entropy on the targets, perplexity."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,31 +15,61 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
-from finetune.data.text import load_raw_text, text_iterator, tokenize_and_group
+from finetune.models.gguf import converted_dir, is_gguf
+from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
+from finetune.data.sources import limit_samples
+from finetune.data.text import load_raw_data, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
-from finetune.tasks.base import Task, TaskData
+from finetune.tasks.base import LossSum, Task, TaskData
 
 
-def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
-    """Targets for every position: the next token, ignored (-100) at the last.
-    Shifting the targets instead of the logits spares a copy of the [B, T,
-    vocab] logits, the largest tensor of the step."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=-100)
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Targets for every position: the next token's label, ignored (-100) at
+    the last. Shifting the targets instead of the logits spares a copy of the
+    [B, T, vocab] logits, the largest tensor of the step."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
-def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL [B, T-1] of predicting input_ids[:, t+1] from position t,
-    in fp32 whatever the compute dtype (bf16 logits would quantise the loss)."""
-    targets = next_token_targets(input_ids)
+def next_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL [B, T] of predicting labels[:, t+1] from position t, 0
+    where there is no target; in fp32 whatever the compute dtype (bf16 logits
+    would quantise the loss)."""
+    targets = next_token_targets(labels)
     nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
-    return nll.view(targets.shape)[:, :-1]
+    return nll.view(targets.shape)
 
 
-def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean of next_token_nll, reduced inside cross_entropy."""
-    return F.cross_entropy(logits.float().flatten(0, 1), next_token_targets(input_ids).flatten(), ignore_index=-100)
+def attention_inputs(batch: dict, attn_implementation: str) -> dict:
+    """Model inputs that keep the examples of a packed (or padded) row apart.
+
+    Every example starts at position id 0. Each token may attend to the tokens
+    before it in its own example only: an explicit [B, 1, T, T] block-diagonal
+    causal mask, which transformers passes to the attention kernel untouched.
+    It is exact on every model and device (eager and SDPA attention, CPU and
+    GPU), where position ids alone are honoured only by some attention paths.
+    Padding (position 0 each) is a one-token example of its own: never seen by
+    real tokens, and no target. Plain text blocks have no position ids and keep
+    the model's own causal mask."""
+    if "position_ids" not in batch:
+        return {}
+    positions = batch["position_ids"]
+    example = (positions == 0).cumsum(dim=-1)
+    width = positions.size(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
+    allowed = ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
+    if attn_implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device)
+        allowed = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    elif attn_implementation != "sdpa":
+        raise UsageError(f"packed and padded SFT batches need sdpa or eager attention, not {attn_implementation}; "
+                         "load the model with attn_implementation='sdpa'")
+    return {"attention_mask": allowed, "position_ids": positions}
+
+
+def model_config(model):
+    return getattr(model, "module", model).config  # under DDP the HF model is .module
 
 
 class CausalLM(Task):
@@ -51,25 +82,43 @@ class CausalLM(Task):
         return self.cfg.block_size
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
-        """The main process goes first and fills the datasets cache; the run dir
-        gets nothing but a preset's tokenizer before every check has passed."""
+        """The main process goes first and fills the caches (datasets, a GGUF
+        conversion); the run dir gets nothing but a preset's tokenizer before
+        every check has passed."""
         cfg = self.cfg
         with accelerator.main_process_first():
-            raw = load_raw_text(cfg.dataset, cfg.text_column, cfg.validation_split, cfg.seed)
+            if is_gguf(cfg.model):
+                self.model_source = str(converted_dir(cfg.model))
+            raw, data_format = self._raw_data()
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir)
         with accelerator.main_process_first():
-            blocks = tokenize_and_group(raw, tokenizer, cfg.block_size)
-        return model, TaskData(blocks["train"], blocks["validation"], tokenizer,
-                               f"{len(blocks['train'])} train / {len(blocks['validation'])} validation blocks "
-                               f"of {cfg.block_size}")
+            splits, description = self._splits(raw, data_format, tokenizer)
+        return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
+                               collate=None if data_format == "text" else PadCollator(pad_id(tokenizer)),
+                               data_format=data_format)
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, split: str) -> Dataset:
-        cfg = self.cfg
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                 split: str) -> tuple[Dataset, Callable | None]:
         self._check_block_size(model)
-        raw = load_raw_text(cfg.dataset, cfg.text_column, cfg.validation_split, cfg.seed)
-        return tokenize_and_group(DatasetDict({split: raw[split]}), tokenizer, cfg.block_size)[split]
+        raw, data_format = self._raw_data()
+        rows = self._splits(DatasetDict({split: raw[split]}), data_format, tokenizer)[0][split]
+        return rows, None if data_format == "text" else PadCollator(pad_id(tokenizer))
+
+    def _raw_data(self) -> tuple[DatasetDict, str]:
+        cfg = self.cfg
+        raw, data_format = load_raw_data(cfg.dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed)
+        return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
+
+    def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
+        cfg = self.cfg
+        if data_format == "text":
+            blocks = tokenize_and_group(raw, tokenizer, cfg.block_size)
+            return blocks, f"{' / '.join(f'{len(rows)} {name}' for name, rows in blocks.items())} blocks of {cfg.block_size}"
+        load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
+        return build_sft_splits(raw, tokenizer, data_format, cfg.block_size, cfg.train_on_prompt, cfg.packing,
+                                cfg.long_examples)
 
     def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path):
         """A preset trains its own tokenizer on the training text (once, on the
@@ -87,7 +136,7 @@ class CausalLM(Task):
         else:
             model = self.pretrained_model()
             try:
-                tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+                tokenizer = AutoTokenizer.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
             except (OSError, ValueError) as e:
                 raise UsageError(f"--model {cfg.model} has no usable tokenizer ({str(e).splitlines()[0]}); "
                                  "save one next to the model with tokenizer.save_pretrained") from None
@@ -104,24 +153,33 @@ class CausalLM(Task):
             raise UsageError(f"--block_size {self.cfg.block_size} is longer than the model's "
                              f"{model.config.max_position_embeddings} positions; lower --block_size")
 
-    def loss(self, model, batch: dict) -> torch.Tensor:
+    def loss(self, model, batch: dict) -> LossSum:
         # No KV cache: a training forward never reuses it.
-        return next_token_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["input_ids"])
+        nll, targets, tokens = self._forward(model, batch)
+        return LossSum(total=nll.sum(), count=targets.sum(), units=tokens)
+
+    def _forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-position NLL [B, T], which positions have a target, and the
+        number of real (not padding) tokens."""
+        labels = batch.get("labels", batch["input_ids"])
+        inputs = attention_inputs(batch, model_config(model)._attn_implementation)
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits
+        tokens = batch["attention_mask"].sum() if "attention_mask" in batch else torch.tensor(labels.numel())
+        return next_token_nll(logits, labels), next_token_targets(labels) != -100, tokens
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
         """Every rank runs the same number of batches (FSDP forwards are collective);
-        `gather_for_metrics` drops the samples the distributed sampler repeated."""
+        `gather_for_metrics` drops the samples the distributed sampler repeated.
+        The loss is the mean over every target token of the split."""
         metric = self.metric(accelerator)
         was_training = model.training
         model.eval()
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
-            ids = batch["input_ids"]
-            nll = next_token_nll(model(input_ids=ids, use_cache=False).logits, ids)
-            counts = torch.full((nll.size(0),), nll.size(1), dtype=torch.long, device=nll.device)
-            nll_sum, counts = accelerator.gather_for_metrics((nll.sum(dim=1), counts))
+            nll, targets, _ = self._forward(model, batch)
+            nll_sum, counts = accelerator.gather_for_metrics((nll.sum(dim=1), targets.sum(dim=1)))
             metric.add_batch(nll_sum=nll_sum.double().cpu().tolist(), num_tokens=counts.cpu().tolist())
         model.train(was_training)
         return metric.compute()

@@ -17,7 +17,7 @@ from finetune import models
 from finetune.data.images import check_labels, load_images, pixel_values
 from finetune.errors import UsageError
 from finetune.presets import CNN_PRESETS
-from finetune.tasks.base import Task, TaskData
+from finetune.tasks.base import LossSum, Task, TaskData
 
 
 class ImageClassification(Task):
@@ -47,8 +47,9 @@ class ImageClassification(Task):
                                f"{len(splits['train'])} train / {len(splits['validation'])} validation images of "
                                f"{image_size}x{image_size}")
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, split: str) -> Dataset:
-        return self._images(model)[0][split]
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                 split: str) -> tuple[Dataset, None]:
+        return self._images(model)[0][split], None
 
     def _images(self, model: PreTrainedModel):
         cfg = self.cfg
@@ -57,9 +58,11 @@ class ImageClassification(Task):
         check_labels(splits, model.config.num_labels, cfg.dataset)
         return splits, names
 
-    def loss(self, model, batch: dict) -> torch.Tensor:
+    def loss(self, model, batch: dict) -> LossSum:
         # Cross-entropy on logits, in fp32 whatever the compute dtype.
-        return F.cross_entropy(model(pixel_values(batch)).logits.float(), batch["label"])
+        total = F.cross_entropy(model(pixel_values(batch)).logits.float(), batch["label"], reduction="sum")
+        count = torch.tensor(batch["label"].numel(), device=total.device)
+        return LossSum(total=total, count=count, units=count)
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:

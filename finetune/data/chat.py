@@ -1,0 +1,315 @@
+"""Instruction and chat data for supervised fine-tuning (SFT).
+
+Rows come in one of three formats (detected from the columns, or named with
+--data_format): `messages` (chat), `instruction`/`input`/`output` (Alpaca) or
+`prompt`/`completion`. Each becomes token ids and labels: the label is the
+token id where the loss is taken, -100 elsewhere. By default the loss is taken
+on the assistant's answers and the end-of-turn token that closes each of them,
+so the model learns to stop.
+
+Which tokens are the answers is found from the rendered text, not from the
+template's `{% generation %}` tags (most templates have none): the
+conversation is rendered up to each assistant turn with the generation prompt,
+and up to the end of that turn; the answer is what the turn adds, from its
+content up to the first special token after it (the end-of-turn token). Token
+offsets then map those character spans onto tokens.
+
+Examples are then packed into blocks of `block_size` tokens (position ids
+restart at 0 for each example, and the attention mask built from them keeps
+examples apart; see `causal_lm.attention_inputs`) or kept one per row and
+padded per batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+from finetune.errors import UsageError
+
+IGNORE = -100
+# The columns that name each format, in the order detection tries them.
+FORMAT_COLUMNS = {"chat": ("messages",), "instruction": ("instruction", "output"),
+                  "prompt_completion": ("prompt", "completion")}
+SFT_FORMATS = tuple(FORMAT_COLUMNS)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def detect_format(columns: list[str], requested: str, text_column: str, dataset: str) -> str:
+    """The data format: the one requested, checked against the columns, or the
+    first whose columns are all present."""
+    have = ", ".join(columns)
+    if requested == "auto":
+        found = next((name for name, needed in FORMAT_COLUMNS.items() if set(needed) <= set(columns)), None)
+        if found:
+            return found
+        if text_column in columns:
+            return "text"
+        raise UsageError(f"--dataset {dataset} has columns {have}, which match no data format (messages; "
+                         f"instruction/output; prompt/completion; or {text_column}); rename the columns, or pass "
+                         "--text_column")
+    needed = FORMAT_COLUMNS.get(requested, (text_column,))
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        try:
+            fix = f"pass --data_format {detect_format(columns, 'auto', text_column, dataset)}"
+        except UsageError:
+            fix = "rename the columns"
+        raise UsageError(f"--data_format {requested} needs the column(s) {', '.join(missing)}, but --dataset {dataset} "
+                         f"has {have}; {fix}")
+    return requested
+
+
+# --- rows -> conversations ------------------------------------------------------------------------
+
+def check_messages(messages: Any, row: int) -> list[dict]:
+    """A list of {role, content} with known roles and at least one assistant turn."""
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        shown = repr(messages)[:80]
+        raise UsageError(f"row {row}: messages must be a non-empty list of {{\"role\": ..., \"content\": ...}} with "
+                         f"string values, got {shown}; fix that row of the data")
+    unknown = sorted({m["role"] for m in messages} - set(ROLES))
+    if unknown:
+        raise UsageError(f"row {row}: unknown role(s) {', '.join(map(repr, unknown))} in messages; use "
+                         f"{', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UsageError(f"row {row}: the conversation has no assistant turn, so there is nothing to learn; "
+                         "add the assistant's answer or drop the row")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def instruction_messages(row: dict, index: int) -> list[dict]:
+    instruction, output, extra = row.get("instruction"), row.get("output"), row.get("input")
+    if not isinstance(instruction, str) or not isinstance(output, str) or not (extra is None or isinstance(extra, str)):
+        raise UsageError(f"row {index}: instruction, input and output must be strings; fix that row of the data")
+    user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+# --- conversations -> token ids and labels --------------------------------------------------------
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+
+
+class ChatEncoder:
+    """Renders rows with the tokenizer's chat template and labels the tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, data_format: str, train_on_prompt: bool):
+        if not tokenizer.is_fast:
+            raise UsageError("SFT data needs a fast tokenizer (for token offsets); save the model's tokenizer.json "
+                             "with it")
+        self.tokenizer = tokenizer
+        self.data_format = data_format
+        self.train_on_prompt = train_on_prompt
+        self.special_tokens = sorted({t for t in tokenizer.all_special_tokens}
+                                     | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
+                                     key=len, reverse=True)
+
+    def encode(self, row: dict, index: int) -> Encoded:
+        if self.data_format == "prompt_completion":
+            text, spans = self._prompt_completion(row, index)
+            add_special = True  # plain text, tokenized as the text format tokenizes it
+        else:
+            messages = check_messages(row["messages"], index) if self.data_format == "chat" \
+                else instruction_messages(row, index)
+            text, spans = self.render(messages)
+            add_special = False  # the template writes its own BOS and scaffolding
+        enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        if self.data_format == "prompt_completion":
+            ids = ids + [self.tokenizer.eos_token_id]
+            offsets = enc["offset_mapping"] + [(len(text), len(text) + 1)]
+            spans = [(spans[0][0], len(text) + 1)]
+        else:
+            offsets = enc["offset_mapping"]
+        if self.train_on_prompt:
+            return Encoded(ids, list(ids))
+        labels = [tok if any(start <= begin < end for start, end in spans) and stop > begin else IGNORE
+                  for tok, (begin, stop) in zip(ids, offsets)]
+        return Encoded(ids, labels)
+
+    def _prompt_completion(self, row: dict, index: int) -> tuple[str, list[tuple[int, int]]]:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise UsageError(f"row {index}: prompt and completion must be strings; fix that row of the data")
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation as text, and the character spans of the answers."""
+        full = self._apply(messages, generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._apply(messages[:i], generation_prompt=True) if i else ""
+            through = self._apply(messages[:i + 1], generation_prompt=False)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise UsageError("the chat template renders the start of a conversation differently from the "
+                                 "whole conversation, so the answers cannot be located; use a template that only "
+                                 "appends turns (--chat_template FILE), or pass --train_on_prompt")
+            spans.append(self._answer_span(through, len(before), message["content"]))
+        return full, spans
+
+    def _answer_span(self, text: str, turn_start: int, content: str) -> tuple[int, int]:
+        """From the answer's content through the first special token after it
+        (its end-of-turn token); the whole turn when the content is not found
+        verbatim (a template that rewrites it)."""
+        turn = text[turn_start:]
+        found = next(((turn.find(c), c) for c in (content, content.strip()) if c and turn.find(c) >= 0), None)
+        if found is None:
+            return turn_start, len(text)
+        start, matched = found
+        after = start + len(matched)
+        ends = [(turn.find(t, after), t) for t in self.special_tokens]
+        ends = [(pos, tok) for pos, tok in ends if pos >= 0]
+        end = min(pos + len(tok) for pos, tok in ends) if ends else len(turn)
+        return turn_start + start, turn_start + end
+
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, data_format: str, model: str) -> None:
+    """Install --chat_template FILE on the tokenizer (it is saved with the
+    model), or check that the tokenizer has one of its own."""
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise UsageError(f"--chat_template {template_file} does not exist; pass a Jinja template file")
+        tokenizer.chat_template = path.read_text()
+    elif data_format in ("chat", "instruction") and not tokenizer.chat_template:
+        raise UsageError(f"--data_format {data_format} is rendered with a chat template, and the tokenizer of "
+                         f"--model {model} has none; pass --chat_template FILE")
+
+
+# --- examples -> training rows --------------------------------------------------------------------
+
+@dataclass
+class SFTStats:
+    examples: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    dropped_no_target: int = 0
+
+    def describe(self) -> str:
+        notes = [f"{self.truncated} truncated" if self.truncated else "",
+                 f"{self.dropped_long} longer than --block_size dropped" if self.dropped_long else "",
+                 f"{self.dropped_no_target} dropped with no answer token left" if self.dropped_no_target else ""]
+        notes = [n for n in notes if n]
+        return f"{self.examples} examples" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def encode_split(split: Dataset, encoder: ChatEncoder, block_size: int, long_examples: str,
+                 desc: str) -> tuple[Dataset, SFTStats]:
+    """Token ids and labels, one example per row, fitted to `block_size`."""
+    def encode(batch, indices):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
+        return {"input_ids": [e.input_ids for e in encoded], "labels": [e.labels for e in encoded]}
+
+    tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names, desc=desc)
+    stats = SFTStats()
+    kept_ids, kept_labels = [], []
+    for ids, labels in zip(tokens["input_ids"], tokens["labels"]):
+        if len(ids) > block_size:
+            if long_examples == "drop":
+                stats.dropped_long += 1
+                continue
+            ids, labels = ids[:block_size], labels[:block_size]
+            stats.truncated += 1
+        if all(label == IGNORE for label in labels[1:]):  # the first token is never predicted
+            stats.dropped_no_target += 1
+            continue
+        kept_ids.append(ids)
+        kept_labels.append(labels)
+    stats.examples = len(kept_ids)
+    return Dataset.from_dict({"input_ids": kept_ids, "labels": kept_labels}), stats
+
+
+def pack(examples: Dataset, block_size: int) -> Dataset:
+    """Best-fit decreasing: each example, longest first, goes into the fullest
+    block it still fits in. Position ids restart at 0 at every example: the
+    attention mask is built from them, and positional embeddings see each
+    example as if it were alone."""
+    lengths = [len(ids) for ids in examples["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    blocks: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, block index), sorted
+    for i in order:
+        slot = bisect.bisect_left(free, (lengths[i], -1))
+        if slot == len(free):
+            blocks.append([i])
+            bisect.insort(free, (block_size - lengths[i], len(blocks) - 1))
+        else:
+            space, block = free.pop(slot)
+            blocks[block].append(i)
+            bisect.insort(free, (space - lengths[i], block))
+    ids, labels = examples["input_ids"], examples["labels"]
+    return Dataset.from_dict({
+        "input_ids": [[t for i in block for t in ids[i]] for block in blocks],
+        "labels": [[t for i in block for t in mask_first(labels[i])] for block in blocks],
+        "position_ids": [[p for i in block for p in range(lengths[i])] for block in blocks],
+    })
+
+
+def mask_first(labels: list[int]) -> list[int]:
+    """An example's first token is never predicted: in a packed block the
+    position before it belongs to another example."""
+    return [IGNORE] + labels[1:]
+
+
+def unpacked(examples: Dataset) -> Dataset:
+    return examples.map(lambda row: {"position_ids": list(range(len(row["input_ids"])))}, desc="positions")
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Padding is masked and has no target, so any id does; many tokenizers have no pad token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+class PadCollator:
+    """Pads a batch to its longest row: input ids with `pad_id`, labels with
+    -100; `attention_mask` marks the real tokens."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(r["input_ids"]) for r in rows)
+        batch = {"input_ids": torch.full((len(rows), width), self.pad_id, dtype=torch.long),
+                 "labels": torch.full((len(rows), width), IGNORE, dtype=torch.long),
+                 "position_ids": torch.zeros((len(rows), width), dtype=torch.long),
+                 "attention_mask": torch.zeros((len(rows), width), dtype=torch.long)}
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            batch["input_ids"][i, :n] = torch.tensor(row["input_ids"])
+            batch["labels"][i, :n] = torch.tensor(row["labels"])
+            batch["position_ids"][i, :n] = torch.tensor(row["position_ids"])
+            batch["attention_mask"][i, :n] = 1
+        return batch
+
+
+def build_sft_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, data_format: str, block_size: int,
+                     train_on_prompt: bool, packing: bool, long_examples: str) -> tuple[DatasetDict, str]:
+    """Training rows for every split, and a one-line description of them."""
+    encoder = ChatEncoder(tokenizer, data_format, train_on_prompt)
+    out, notes = {}, []
+    for name, split in raw.items():
+        examples, stats = encode_split(split, encoder, block_size, long_examples, f"rendering {name} {data_format}")
+        if stats.examples == 0:
+            raise UsageError(f"no {name} example is left after fitting to --block_size {block_size} "
+                             f"({stats.describe()}); raise --block_size or pass --long_examples truncate")
+        out[name] = pack(examples, block_size) if packing else unpacked(examples)
+        notes.append(f"{name}: {stats.describe()}" + (f" in {len(out[name])} packed blocks" if packing else ""))
+    return DatasetDict(out), "; ".join(notes)

@@ -1,0 +1,69 @@
+"""GGUF files (llama.cpp's format) as HF model dirs.
+
+transformers reads a GGUF file itself and dequantises it into a dense model
+(the optional `gguf` package does the reading), but marks the result as
+quantized and refuses to save it. So the dense weights go into a plain model
+built from the same config, which is saved, with the tokenizer and its chat
+template, into a cache dir keyed by the file's content: every later run (and
+every rank) loads that dir in a second instead of converting again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from finetune.data.builtin import cache_root
+from finetune.errors import UsageError
+
+
+def is_gguf(name_or_path: str) -> bool:
+    return name_or_path.lower().endswith(".gguf")
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def converted_dir(gguf_path: str) -> Path:
+    """The HF model dir of a GGUF file, converted on first use."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise UsageError(f"--model {gguf_path} does not exist; pass an existing .gguf file")
+    target = cache_root() / "gguf" / f"{path.stem}-{file_digest(path)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+    except ImportError:
+        raise UsageError(f"--model {gguf_path} needs the gguf package: pip install 'finetune[gguf]'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {path} into a model dir (once, cached in {target})", flush=True)
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                         trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UsageError(f"could not read --model {gguf_path} as GGUF ({str(e).strip().splitlines()[0][:200]}); "
+                         "pass a GGUF file of an architecture transformers supports") from None
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    model.load_state_dict(quantized.state_dict(), strict=False)
+    model.tie_weights()
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)  # atomic: a half-written dir is never taken for the model
+    return target
