@@ -1,0 +1,182 @@
+"""Instruction and chat fine-tuning: which tokens are targets, packing that
+keeps examples apart, loss normalisation over the global batch, and SFT end to
+end under FSDP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import check_ok, read_jsonl, run_cli, run_in_process, train_rows
+from finetune.config import TrainConfig
+from finetune.data.chat import IGNORE, ChatEncoder, PadCollator, encode_split, pack, unpacked
+from finetune.tasks.causal_lm import CausalLM
+from sft_models import CHATML, CHATML_TAGGED, conversations, save_chat_model, write_jsonl
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What does sorted do?"},
+    {"role": "assistant", "content": "It returns the lines sorted by length."},
+    {"role": "user", "content": "And then?"},
+    {"role": "assistant", "content": "It writes them back to the disk."},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return save_chat_model(tmp_path_factory.mktemp("models") / "llama-chat", "llama")
+
+
+def piecewise(tokenizer, messages) -> tuple[list[int], list[bool]]:
+    """ChatML tokens built piece by piece, and which of them are targets: an
+    assistant turn's content and its <|im_end|>; never the role header, the
+    newline after <|im_end|>, or any system or user token."""
+    ids, targets = [], []
+    for m in messages:
+        answer = m["role"] == "assistant"
+        for piece, is_target in ((f"<|im_start|>{m['role']}\n", False), (m["content"], answer),
+                                 ("<|im_end|>", answer), ("\n", False)):
+            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+            ids += piece_ids
+            targets += [is_target] * len(piece_ids)
+    return ids, targets
+
+
+@pytest.mark.parametrize("template", [CHATML, CHATML_TAGGED], ids=["no-generation-tags", "generation-tags"])
+def test_labels_are_the_answers_and_their_end_of_turn_token(chat_model, template):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = template
+    encoded = ChatEncoder(tokenizer, "chat", train_on_prompt=False).encode({"messages": CONVERSATION}, 0)
+    ids, targets = piecewise(tokenizer, CONVERSATION)
+    assert encoded.input_ids == ids
+    assert encoded.labels == [t if is_target else IGNORE for t, is_target in zip(ids, targets)]
+    if template == CHATML_TAGGED:  # transformers' own reading of the tags agrees
+        rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        assert [label != IGNORE for label in encoded.labels] == [bool(m) for m in rendered["assistant_masks"]]
+    every = ChatEncoder(tokenizer, "chat", train_on_prompt=True).encode({"messages": CONVERSATION}, 0)
+    assert every.labels == ids
+
+
+def test_instruction_and_prompt_completion_rows(chat_model):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    instruction = ChatEncoder(tokenizer, "instruction", False).encode(
+        {"instruction": "Sort the lines.", "input": "b\na", "output": "a\nb"}, 0)
+    as_chat = ChatEncoder(tokenizer, "chat", False).encode(
+        {"messages": [{"role": "user", "content": "Sort the lines.\n\nb\na"}, {"role": "assistant", "content": "a\nb"}]}, 0)
+    assert instruction == as_chat
+
+    encoded = ChatEncoder(tokenizer, "prompt_completion", False).encode({"prompt": "the model reads",
+                                                                         "completion": " a file"}, 0)
+    prompt_ids = tokenizer("the model reads", add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(" a file", add_special_tokens=False)["input_ids"]
+    assert encoded.input_ids == prompt_ids + completion_ids + [tokenizer.eos_token_id]
+    assert encoded.labels == [IGNORE] * len(prompt_ids) + completion_ids + [tokenizer.eos_token_id]
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted(chat_model):
+    from datasets import Dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    encoder = ChatEncoder(tokenizer, "chat", False)
+    rows = Dataset.from_list(conversations(12))
+    lengths = [len(encoder.encode(r, i).input_ids) for i, r in enumerate(rows)]
+    block = sorted(lengths)[len(lengths) // 2]
+    longer = sum(n > block for n in lengths)
+    kept, stats = encode_split(rows, encoder, block, "drop", "test")
+    assert stats.dropped_long == longer and len(kept) == len(rows) - longer
+    kept, stats = encode_split(rows, encoder, block, "truncate", "test")
+    assert stats.truncated + stats.dropped_no_target == longer and max(len(ids) for ids in kept["input_ids"]) == block
+
+
+def packed_and_single(tokenizer, rows):
+    """The examples, all of them packed into one block, and each alone."""
+    from datasets import Dataset
+
+    examples, _ = encode_split(Dataset.from_list(rows), ChatEncoder(tokenizer, "chat", False), 10_000, "drop", "t")
+    packed = pack(examples, sum(len(ids) for ids in examples["input_ids"]))
+    return examples, packed, unpacked(examples)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_gives_each_example_the_loss_and_gradients_it_has_alone(chat_model, attn):
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    model = AutoModelForCausalLM.from_pretrained(chat_model, attn_implementation=attn, dtype=torch.float32)
+    task = CausalLM(TrainConfig(model=str(chat_model)))
+    collate = PadCollator(tokenizer.pad_token_id)
+    examples, packed, single = packed_and_single(tokenizer, conversations(6, seed=1))
+    assert len(packed) == 1 and len(packed[0]["input_ids"]) == sum(len(ids) for ids in examples["input_ids"])
+
+    model.zero_grad()
+    nll, targets, _ = task._forward(model, collate([packed[0]]))
+    nll.sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    starts = [i for i, p in enumerate(packed[0]["position_ids"]) if p == 0] + [len(packed[0]["position_ids"])]
+    packed_losses = sorted(float(nll[0, a:b].detach().sum()) for a, b in zip(starts, starts[1:]))
+
+    model.zero_grad()
+    alone = []
+    for row in single:
+        nll, _, _ = task._forward(model, collate([row]))
+        nll.sum().backward()
+        alone.append(float(nll.sum()))
+    torch.testing.assert_close(packed_losses, sorted(alone), rtol=1e-5, atol=1e-5)
+    for packed_grad, p in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(packed_grad, p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_changing_one_packed_example_leaves_the_others_logits_unchanged(chat_model):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32)
+    task_inputs = PadCollator(tokenizer.pad_token_id)
+    _, packed, _ = packed_and_single(tokenizer, conversations(4, seed=2))
+    batch = task_inputs([packed[0]])
+    first_end = [i for i, p in enumerate(packed[0]["position_ids"]) if p == 0][1]
+    changed = {k: v.clone() for k, v in batch.items()}
+    changed["input_ids"][0, 1:first_end] = (changed["input_ids"][0, 1:first_end] + 7) % 300
+
+    from finetune.tasks.causal_lm import attention_inputs
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], **attention_inputs(batch, "sdpa")).logits
+        logits_changed = model(input_ids=changed["input_ids"], **attention_inputs(changed, "sdpa")).logits
+    assert not torch.allclose(logits[0, :first_end], logits_changed[0, :first_end])
+    torch.testing.assert_close(logits[0, first_end:], logits_changed[0, first_end:], rtol=0, atol=1e-6)
+
+
+# --- real runs ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ragged_chat(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", conversations(64, seed=3))
+
+
+def sft_args(model, data, *extra):
+    return ["--model", str(model), "--dataset", str(data), "--block_size", "128", "--learning_rate", "1e-3",
+            "--sample_prompt", "", "--max_eval_batches", "2", "--validation_split", "0.1", *extra]
+
+
+def test_loss_is_normalised_over_the_global_batch(tmp_path, env, chat_model, ragged_chat):
+    """Ragged examples, no packing, fp32: one process with 1 x 4 micro-batches,
+    one process with one batch of 4, and 2 FSDP ranks with batches of 2 give the
+    same losses and weights."""
+    runs = {"1x4": (None, ["--per_device_batch_size", "1", "--gradient_accumulation_steps", "4"]),
+            "4x1": (None, ["--per_device_batch_size", "4"]),
+            "fsdp-2x2": (2, ["--per_device_batch_size", "2"])}
+    losses, weights = {}, {}
+    for name, (nproc, batch) in runs.items():
+        run_dir = tmp_path / name
+        check_ok(run_cli(["train", *sft_args(chat_model, ragged_chat, "--no_packing", "--max_steps", "3", *batch,
+                                             "--output_dir", str(run_dir))], env, nproc=nproc, mixed_precision="no"))
+        losses[name] = [r["loss"] for r in train_rows(run_dir)]
+        weights[name] = load_file(run_dir / "final" / "model.safetensors")
+    for name in ("4x1", "fsdp-2x2"):
+        assert losses[name] == pytest.approx(losses["1x4"], rel=1e-5, abs=1e-5)
+        for key, tensor in weights["1x4"].items():
+            torch.testing.assert_close(weights[name][key], tensor, rtol=1e-5, atol=1e-5)
