@@ -180,3 +180,42 @@ def test_loss_is_normalised_over_the_global_batch(tmp_path, env, chat_model, rag
         assert losses[name] == pytest.approx(losses["1x4"], rel=1e-5, abs=1e-5)
         for key, tensor in weights["1x4"].items():
             torch.testing.assert_close(weights[name][key], tensor, rtol=1e-5, atol=1e-5)
+
+
+def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, env, ragged_chat):
+    """Qwen2-style model, packed chat data, 2 FSDP ranks in fp32: sharded,
+    checkpointed, resumed exactly, exported, and answering with its template."""
+    from conftest import dcp_elements_per_file
+
+    model = save_chat_model(tmp_path / "qwen2-chat", "qwen2")
+    run_dir = tmp_path / "run"
+    args = sft_args(model, ragged_chat, "--per_device_batch_size", "2", "--max_steps", "6", "--checkpoint_every", "3")
+    check_ok(run_cli(["train", *args, "--output_dir", str(run_dir)], env, mixed_precision="no"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["distributed_type"] == "FSDP" and summary["data_format"] == "chat"
+    local = summary["local_params_per_rank"]
+    assert len(local) == 2 and sum(local) == summary["total_params"] and max(local) - min(local) < 0.02 * sum(local)
+    shard_dir = run_dir / "checkpoints" / "step_000006" / "pytorch_model_fsdp_0"
+    assert sorted(dcp_elements_per_file(shard_dir, skip=set()).values()) == sorted(local)
+    rows = train_rows(run_dir)
+    assert len(rows) == 6 and all(r["tokens_per_sec"] > 0 for r in rows)
+
+    # Stopped right after the checkpoint at step 3, then resumed.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "run_config.yaml", resumed)
+    shutil.copytree(run_dir / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    check_ok(run_cli(["resume", str(resumed)], env, mixed_precision="no"))
+    after = train_rows(resumed)
+    assert [r["step"] for r in after] == [4, 5, 6]
+    assert [r["loss"] for r in after] == pytest.approx([r["loss"] for r in rows[3:]], rel=1e-6, abs=1e-6)
+    final, final_resumed = load_file(run_dir / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    for key, tensor in final.items():
+        torch.testing.assert_close(final_resumed[key], tensor, rtol=1e-6, atol=1e-6)
+
+    export = tmp_path / "export"
+    assert run_in_process("export", run_dir, "--output", export).returncode == 0
+    assert AutoTokenizer.from_pretrained(export).chat_template == CHATML
+    answer = run_in_process("generate", export, "--chat", "--prompt", "What does sorted do?", "--max_new_tokens", "8")
+    assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+    assert "<|im_start|>" not in answer.stdout and "What does sorted do?" not in answer.stdout
