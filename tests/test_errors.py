@@ -103,6 +103,19 @@ def _images_without_labels(tmp: Path) -> Path:
     return tmp / "images.parquet"
 
 
+def _chat_model(tmp: Path, template: str | None = None) -> list[str]:
+    from sft_models import CHATML, save_chat_model
+
+    return ["--model", str(save_chat_model(tmp / "chat-model", template=CHATML if template is None else template))]
+
+
+def _chat_rows(tmp: Path, *rows) -> list[str]:
+    (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["--dataset", str(tmp / "chat.jsonl")]
+
+
+ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
+
 CASES = {
     "missing data": (lambda t: ["--dataset", str(t / "no_such_file.txt")], "does not exist"),
     "empty data": (lambda t: ["--dataset", str(_empty_file(t))], "is empty"),
@@ -119,6 +132,24 @@ CASES = {
     "value out of range": (lambda t: ["--validation_split", "1.5"], "--validation_split must be between 0 and 1"),
     "wrong type": (lambda t: ["--max_steps", "ten"], "max_steps: expected int"),
     "unknown report_to": (lambda t: ["--report_to", "wandb"], "--report_to 'wandb' is not supported"),
+    "messages that are not a list of turns": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}, {"messages": ["just a string"]})],
+        "example 2: messages must be a non-empty list"),
+    "an unknown role": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": [{"role": "narrator", "content": "Once"}, *ANSWERED]})],
+        "unknown role(s) 'narrator'"),
+    "a conversation without an answer": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}, {"messages": ANSWERED[:1]})],
+        "example 2: the conversation has no assistant turn"),
+    "chat data and a tokenizer without a chat template": (
+        lambda t: [*_chat_model(t, template=""), *_chat_rows(t, {"messages": ANSWERED})],
+        "has none; pass --chat_template FILE"),
+    "a data format the columns contradict": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--data_format", "instruction"],
+        "--data_format instruction needs the column(s) instruction, output"),
+    "a chat template file that does not exist": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
+        "none.jinja does not exist; pass a Jinja template file"),
 }
 
 

@@ -39,6 +39,9 @@ FORMAT_COLUMNS = {"chat": ("messages",), "instruction": ("instruction", "output"
                   "prompt_completion": ("prompt", "completion")}
 SFT_FORMATS = tuple(FORMAT_COLUMNS)
 ROLES = ("system", "user", "assistant", "tool")
+# Each example's 1-based number in its source split, kept through the held-out
+# split's shuffle so that errors name the example the user can find.
+EXAMPLE_NUMBER = "_example"
 
 
 def detect_format(columns: list[str], requested: str, text_column: str, dataset: str) -> str:
@@ -51,9 +54,9 @@ def detect_format(columns: list[str], requested: str, text_column: str, dataset:
             return found
         if text_column in columns:
             return "text"
-        raise UsageError(f"--dataset {dataset} has columns {have}, which match no data format (messages; "
-                         f"instruction/output; prompt/completion; or {text_column}); rename the columns, or pass "
-                         "--text_column")
+        raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {have}), nor those of chat "
+                         "(messages), instruction (instruction/output) or prompt_completion (prompt/completion) data; "
+                         "pass --text_column with the right name, or rename the columns")
     needed = FORMAT_COLUMNS.get(requested, (text_column,))
     missing = [c for c in needed if c not in columns]
     if missing:
@@ -68,28 +71,28 @@ def detect_format(columns: list[str], requested: str, text_column: str, dataset:
 
 # --- rows -> conversations ------------------------------------------------------------------------
 
-def check_messages(messages: Any, row: int) -> list[dict]:
+def check_messages(messages: Any, where: str) -> list[dict]:
     """A list of {role, content} with known roles and at least one assistant turn."""
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
         shown = repr(messages)[:80]
-        raise UsageError(f"row {row}: messages must be a non-empty list of {{\"role\": ..., \"content\": ...}} with "
+        raise UsageError(f"{where}: messages must be a non-empty list of {{\"role\": ..., \"content\": ...}} with "
                          f"string values, got {shown}; fix that row of the data")
     unknown = sorted({m["role"] for m in messages} - set(ROLES))
     if unknown:
-        raise UsageError(f"row {row}: unknown role(s) {', '.join(map(repr, unknown))} in messages; use "
+        raise UsageError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))} in messages; use "
                          f"{', '.join(ROLES)}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise UsageError(f"row {row}: the conversation has no assistant turn, so there is nothing to learn; "
+        raise UsageError(f"{where}: the conversation has no assistant turn, so there is nothing to learn; "
                          "add the assistant's answer or drop the row")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def instruction_messages(row: dict, index: int) -> list[dict]:
+def instruction_messages(row: dict, where: str) -> list[dict]:
     instruction, output, extra = row.get("instruction"), row.get("output"), row.get("input")
     if not isinstance(instruction, str) or not isinstance(output, str) or not (extra is None or isinstance(extra, str)):
-        raise UsageError(f"row {index}: instruction, input and output must be strings; fix that row of the data")
+        raise UsageError(f"{where}: instruction, input and output must be strings; fix that row of the data")
     user = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
     return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
@@ -117,12 +120,13 @@ class ChatEncoder:
                                      key=len, reverse=True)
 
     def encode(self, row: dict, index: int) -> Encoded:
+        where = f"example {row.get(EXAMPLE_NUMBER, index + 1)}"
         if self.data_format == "prompt_completion":
-            text, spans = self._prompt_completion(row, index)
+            text, spans = self._prompt_completion(row, where)
             add_special = True  # plain text, tokenized as the text format tokenizes it
         else:
-            messages = check_messages(row["messages"], index) if self.data_format == "chat" \
-                else instruction_messages(row, index)
+            messages = check_messages(row["messages"], where) if self.data_format == "chat" \
+                else instruction_messages(row, where)
             text, spans = self.render(messages)
             add_special = False  # the template writes its own BOS and scaffolding
         enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
@@ -139,10 +143,10 @@ class ChatEncoder:
                   for tok, (begin, stop) in zip(ids, offsets)]
         return Encoded(ids, labels)
 
-    def _prompt_completion(self, row: dict, index: int) -> tuple[str, list[tuple[int, int]]]:
+    def _prompt_completion(self, row: dict, where: str) -> tuple[str, list[tuple[int, int]]]:
         prompt, completion = row.get("prompt"), row.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise UsageError(f"row {index}: prompt and completion must be strings; fix that row of the data")
+            raise UsageError(f"{where}: prompt and completion must be strings; fix that row of the data")
         return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
 
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

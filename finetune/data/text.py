@@ -12,7 +12,7 @@ from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.builtin import build_stdlib_corpus, build_stdlib_questions
-from finetune.data.chat import SFT_FORMATS, detect_format
+from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
 from finetune.data.sources import load_source, train_and_held_out, train_split
 from finetune.errors import UsageError
 
@@ -38,6 +38,8 @@ def load_raw_data(dataset: str, data_format: str, text_column: str, validation_s
         return _text_splits(raw, dataset, text_column, validation_split, seed), data_format
     if len(train_split(raw)) == 0:
         raise UsageError(f"--dataset {dataset} holds no examples; give it some rows")
+    raw = DatasetDict({name: split.add_column(EXAMPLE_NUMBER, list(range(1, len(split) + 1)))
+                       for name, split in raw.items()})
     return train_and_held_out(raw, validation_split, seed), data_format
 
 
