@@ -60,8 +60,11 @@ def converted_dir(gguf_path: str) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-    model.load_state_dict(quantized.state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     model.tie_weights()
+    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is restored by tie_weights
+        raise UsageError(f"--model {gguf_path}: its weights do not fit {type(model).__name__} (missing "
+                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); pass a supported GGUF file")
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
