@@ -4,6 +4,7 @@ markdown table and JSON.
 
     python scripts/bench.py --suite configs [--model gpt2-small] [--steps 6] [--mixed_precision no] [--profile]
     python scripts/bench.py --suite baselines [--model gpt2-small]
+    python scripts/bench.py --suite packing [--model small-gpt2] [--block_size 256]
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -41,6 +42,12 @@ to the baselines; compilation happens in the warm-up steps, which are not timed.
 On a GPU machine the same commands run on the GPUs: the matmul
 peak is measured on one GPU (8192 x 8192), MFU is per GPU, the configs suite
 keeps the configs it has enough GPUs for, and the Trainer runs on the GPU.
+
+Suite `packing`: instruction tuning on the built-in questions (`--data_format
+chat`, a plain role-prefixed chat template written for the preset's tokenizer),
+2-process FSDP, the same model, examples and batch: packed blocks against one
+example per row padded to the batch's longest. Reported: real tokens/s (padding
+never counts) over the timed steps, and its ratio.
 
 `--rounds R` runs every case R times, interleaved, and keeps each case's fastest
 round, so a burst of load from elsewhere on the machine does not decide a ratio.
@@ -375,9 +382,43 @@ def suite_baselines(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+# For the presets' tokenizer, whose only special token is <|endoftext|>.
+PLAIN_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] + "
+                       "'<|endoftext|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def suite_packing(args) -> tuple[list[dict], str]:
+    """2-process FSDP SFT, packed against padded; real tokens/s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "chat.jinja"
+        template.write_text(PLAIN_CHAT_TEMPLATE)
+
+        def run_case(packing: bool, round_index: int) -> dict:
+            name = "packing" if packing else "padding"
+            print(f"[bench] {name}, fsdp.yaml, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{name}-{round_index}"
+            launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), "--dataset", "builtin", "--data_format",
+                                    "chat", "--chat_template", str(template), "--packing", str(packing).lower()],
+                   args.mixed_precision)
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            timed = [r for r in rows if "loss" in r][2:]  # after 2 warm-up steps
+            seconds = sum(r["step_time_s"] for r in timed)
+            return {"case": name, "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+                    "tokens_per_sec": sum(r["tokens_per_sec"] * r["step_time_s"] for r in timed) / seconds}
+
+        results = fastest_rounds([True, False], run_case, args.rounds)
+    packed, padded = results
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} rows of up to {args.block_size} tokens, "
+             f"fsdp.yaml, {args.mixed_precision}, fastest of {args.rounds} round(s)", "",
+             "| case | step time (s) | real tokens/s |", "| --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} |" for r in results]
+    lines += ["", f"packing / padding: {packed['tokens_per_sec'] / padded['tokens_per_sec']:.2f}x real tokens/s"]
+    return results, "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines"], default=None,
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing"], default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
@@ -396,12 +437,12 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    suites = {"configs": suite_configs, "baselines": suite_baselines}
+    suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ([args.suite] if args.suite else list(suites) if args.quick else ["configs"]):
+    for name in ([args.suite] if args.suite else ["configs", "baselines"] if args.quick else ["configs"]):
         results, table = suites[name](args)
         (out / f"{name}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         (out / f"{name}.md").write_text(table + "\n")

@@ -219,3 +219,18 @@ def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, e
     answer = run_in_process("generate", export, "--chat", "--prompt", "What does sorted do?", "--max_new_tokens", "8")
     assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
     assert "<|im_start|>" not in answer.stdout and "What does sorted do?" not in answer.stdout
+
+
+def test_a_preset_learns_chat_data_with_a_template_file(tmp_path, env, ragged_chat):
+    """A preset trains its tokenizer on every string of the examples; the
+    template comes from --chat_template and is saved with the model."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|endoftext|>' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    run_dir = tmp_path / "run"
+    check_ok(run_cli(["train", "--model", "tiny-gpt2", "--dataset", str(ragged_chat), "--chat_template", str(template),
+                      "--max_steps", "2", "--block_size", "128", "--sample_prompt", "", "--output_dir", str(run_dir)],
+                     env, nproc=None))
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    assert tokenizer.chat_template == template.read_text()
+    assert tokenizer.tokenize("assistant") == ["assistant"]  # learnt from the roles and turns, not from a text column

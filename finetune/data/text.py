@@ -85,5 +85,21 @@ def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, blo
 
 
 def text_iterator(split: Dataset, batch_size: int = 1000):
+    """Batches of the split's text, for training a tokenizer: the text column,
+    or every string of an SFT example (chat turns' content included)."""
     for start in range(0, len(split), batch_size):
-        yield split[start:start + batch_size]["text"]
+        batch = split[start:start + batch_size]
+        if "text" in batch:
+            yield batch["text"]
+        else:
+            yield [text for column in batch.values() for value in column for text in _strings(value)]
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings(item)]
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in _strings(item)]
+    return []
