@@ -117,4 +117,6 @@ def write_summary(summary: dict, run_dir: Path) -> None:
 def eval_line(summary: dict) -> str:
     """The console's line for the run's score: first -> last evaluation."""
     first, last, metric = summary["first_eval"], summary["last_eval"], summary["metric"]
-    return f"validation {metric}: " + (f"{first[metric]:.4f} -> " if first else "") + f"{last[metric]:.4f}"
+    score = (f"{first[metric]:.4f} -> " if first else "") + f"{last[metric]:.4f}"
+    loss = (f"{first['eval_loss']:.4f} -> " if first else "") + f"{last['eval_loss']:.4f}"
+    return f"validation {metric}: {score} (loss {loss})"
