@@ -21,6 +21,7 @@ import yaml
 from transformers import AutoConfig, GPT2Config
 
 from finetune.errors import UsageError
+from finetune.models.gguf import converted_dir, is_gguf
 from finetune.presets import GPT2_PRESETS
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
@@ -48,7 +49,8 @@ def model_shape(name_or_path: str) -> ModelShape:
                          f"{preset_task.name} model; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     else:
         try:
-            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+            source = converted_dir(name_or_path) if is_gguf(name_or_path) else name_or_path
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
                              "pass a preset, a local HF model dir or a reachable Hub id") from None

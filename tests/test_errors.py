@@ -147,6 +147,8 @@ CASES = {
     "a data format the columns contradict": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--data_format", "instruction"],
         "--data_format instruction needs the column(s) instruction, output"),
+    "a GGUF file that does not exist": (lambda t: ["--model", str(t / "model.Q4_0.gguf")],
+                                        "model.Q4_0.gguf does not exist; pass an existing .gguf file"),
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),
