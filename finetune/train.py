@@ -291,7 +291,7 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
     acc, model, cfg = run.accelerator, run.model, run.cfg
     start = time.perf_counter()
     totals = torch.zeros(3, device=acc.device)  # loss sum, targets, units on this rank
-    nominal = cfg.per_device_batch_size * run.task.units_per_sample()
+    nominal = cfg.per_device_batch_size * run.task.loss_terms_per_sample()
     for batch in batches:
         with acc.accumulate(model):
             terms = run.task.loss(model, batch)

@@ -61,8 +61,10 @@ class Task:
     def entry(self) -> TaskEntry:
         return REGISTRY[self.name]
 
-    def units_per_sample(self) -> int:
-        """Turns samples/s into the throughput unit (tokens for text)."""
+    def loss_terms_per_sample(self) -> int:
+        """The most loss terms one sample can have (tokens of a block for text):
+        the fixed count each micro-batch's backward divides by before the loop
+        rescales the gradients by the true count."""
         return 1
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:

@@ -78,7 +78,7 @@ class CausalLM(Task):
     throughput_key = "tokens_per_sec"
     batch_size_options = "--per_device_batch_size/--block_size"
 
-    def units_per_sample(self) -> int:
+    def loss_terms_per_sample(self) -> int:
         return self.cfg.block_size
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
@@ -96,15 +96,19 @@ class CausalLM(Task):
         with accelerator.main_process_first():
             splits, description = self._splits(raw, data_format, tokenizer)
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
-                               collate=None if data_format == "text" else PadCollator(pad_id(tokenizer)),
-                               data_format=data_format)
+                               collate=self._collate(data_format, tokenizer), data_format=data_format)
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
                  split: str) -> tuple[Dataset, Callable | None]:
         self._check_block_size(model)
         raw, data_format = self._raw_data()
         rows = self._splits(DatasetDict({split: raw[split]}), data_format, tokenizer)[0][split]
-        return rows, None if data_format == "text" else PadCollator(pad_id(tokenizer))
+        return rows, self._collate(data_format, tokenizer)
+
+    @staticmethod
+    def _collate(data_format: str, tokenizer: PreTrainedTokenizerBase) -> Callable | None:
+        """Text blocks all have block_size tokens; SFT rows are padded per batch."""
+        return None if data_format == "text" else PadCollator(pad_id(tokenizer))
 
     def _raw_data(self) -> tuple[DatasetDict, str]:
         cfg = self.cfg
