@@ -114,6 +114,13 @@ def _chat_rows(tmp: Path, *rows) -> list[str]:
     return ["--dataset", str(tmp / "chat.jsonl")]
 
 
+def _template_without_system(tmp: Path) -> Path:
+    (tmp / "no-system.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '<|im_end|>' }}{% endfor %}")
+    return tmp / "no-system.jinja"
+
+
 ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
 
 CASES = {
@@ -149,6 +156,10 @@ CASES = {
         "--data_format instruction needs the column(s) instruction, output"),
     "a GGUF file that does not exist": (lambda t: ["--model", str(t / "model.Q4_0.gguf")],
                                         "model.Q4_0.gguf does not exist; pass an existing .gguf file"),
+    "a chat template that refuses a conversation": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": [{"role": "system", "content": "Be brief."}, *ANSWERED]}),
+                   "--chat_template", str(_template_without_system(t))],
+        "example 1: the chat template refused the conversation (no system turns)"),
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from finetune.errors import UsageError
@@ -127,7 +128,7 @@ class ChatEncoder:
         else:
             messages = check_messages(row["messages"], where) if self.data_format == "chat" \
                 else instruction_messages(row, where)
-            text, spans = self.render(messages)
+            text, spans = self.render(messages, where)
             add_special = False  # the template writes its own BOS and scaffolding
         enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
         ids = enc["input_ids"]
@@ -149,15 +150,17 @@ class ChatEncoder:
             raise UsageError(f"{where}: prompt and completion must be strings; fix that row of the data")
         return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The whole conversation as text, and the character spans of the answers."""
-        full = self._apply(messages, generation_prompt=False)
+        full = self._apply(messages, False, where)
+        if self.train_on_prompt:
+            return full, []
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._apply(messages[:i], generation_prompt=True) if i else ""
-            through = self._apply(messages[:i + 1], generation_prompt=False)
+            before = self._apply(messages[:i], True, where) if i else ""
+            through = self._apply(messages[:i + 1], False, where)
             if not (through.startswith(before) and full.startswith(through)):
                 raise UsageError("the chat template renders the start of a conversation differently from the "
                                  "whole conversation, so the answers cannot be located; use a template that only "
@@ -180,8 +183,12 @@ class ChatEncoder:
         end = min(pos + len(tok) for pos, tok in ends) if ends else len(turn)
         return turn_start + start, turn_start + end
 
-    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _apply(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as e:  # templates refuse what they cannot render (a system turn, roles out of order)
+            raise UsageError(f"{where}: the chat template refused the conversation ({e}); fix that example, or "
+                             "pass --chat_template FILE with a template that renders it") from None
 
 
 def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, data_format: str, model: str) -> None:
