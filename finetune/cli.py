@@ -19,28 +19,33 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import TrainConfig, coerce, config_fields, field_types, load_config
+from finetune.config import (ALIASES, ELSEWHERE, FINE_TUNING_DEFAULTS, TrainConfig, canonical_key, coerce,
+                             config_fields, field_types, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE.yaml", help="run config file; command-line options override it")
+    parser.add_argument("--config", metavar="FILE.yaml", help="run config file (Trainer/run_clm names accepted too); "
+                                                              "command-line options override it")
     defaults = TrainConfig()
     types = field_types()
     for f in config_fields():
         default = getattr(defaults, f.name)
+        fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
+                       if f.name in FINE_TUNING_DEFAULTS else "")
         by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
                           if f.name in entry.defaults)
-        help_text = f"{f.metadata['help']} (default: {default!r}{by_task})".replace("%", "%%")
-        kwargs = dict(default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
+        help_text = f"{f.metadata['help']} (default: {default!r}{fine_tuning}{by_task})".replace("%", "%%")
+        kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
+        names = [f"--{f.name}", *(f"--{alias}" for alias, name in ALIASES.items() if name == f.name)]
         if types[f.name] is bool:
-            parser.add_argument(f"--{f.name}", nargs="?", const=True, metavar="true|false", **kwargs)
+            parser.add_argument(*names, nargs="?", const=True, metavar="true|false", **kwargs)
             if f.name == "packing":
                 parser.add_argument("--no_packing", dest="packing", action="store_const", const=False,
                                     default=argparse.SUPPRESS, help="same as --packing false")
         else:
-            parser.add_argument(f"--{f.name}", metavar=types[f.name].__name__.upper(), **kwargs)
+            parser.add_argument(*names, metavar=types[f.name].__name__.upper(), **kwargs)
 
 
 # The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
@@ -136,6 +141,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
+        if first.startswith("--") and first[2:].split("=")[0] in ELSEWHERE:
+            canonical_key(first[2:].split("=")[0], "--")  # raises: the option belongs elsewhere
         close = difflib.get_close_matches(first.split("=")[0], options, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         what = "unknown option" if first.startswith("-") else "unexpected argument"

@@ -24,8 +24,9 @@ from finetune.tasks import REGISTRY
 TASKS = tuple(REGISTRY)
 
 OPTIMIZERS = ("adamw", "adam")
-LR_SCHEDULERS = ("cosine", "step")
-REPORTERS = ("jsonl", "tensorboard", "none")
+# transformers.get_scheduler's names, and the lectures' per-epoch StepLR.
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup", "polynomial", "step")
+REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
 DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
 LONG_EXAMPLES = ("truncate", "drop")
 
@@ -34,8 +35,8 @@ LONG_EXAMPLES = ("truncate", "drop")
 # fixed by the checkpoint: the data, its order, the model and the optimizer's
 # construction depend on them.
 RESUME_MAY_CHANGE = {
-    "max_steps": "the run now ends there; the cosine schedule spans the new length",
-    "num_epochs": "the run now ends there; the cosine schedule spans the new length",
+    "max_steps": "the run now ends there; the learning rate schedule spans the new length",
+    "num_epochs": "the run now ends there; the learning rate schedule spans the new length",
     "learning_rate": "the rest of the schedule is rescaled to the new peak",
     "max_grad_norm": "clipping uses it from the next step",
     "model": "the weights come from the checkpoint, which must fit its shapes (checked)",
@@ -43,7 +44,7 @@ RESUME_MAY_CHANGE = {
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
-                     "ddp_timeout"),
+                     "ddp_timeout", "per_device_eval_batch_size"),
                     "applies from the next step"),
 }
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
@@ -61,6 +62,11 @@ class TrainConfig:
                       "lecture-cnn for images)")
     dataset: str = _opt("builtin", "HF dataset id, local .txt/.jsonl/.parquet file or dir, an image folder, or 'builtin' "
                         "(stdlib docstrings for text, handwritten digits for images)")
+    dataset_config: str = _opt("", "the dataset's configuration (subset) name, for datasets that have several")
+    dataset_split: str = _opt("", "the split to train on; empty: train, or the only split")
+    eval_split: str = _opt("", "the split to evaluate on; empty: validation or test when present, else "
+                           "validation_split of the training split")
+    preprocessing_num_workers: int = _opt(0, "processes that tokenize the data (datasets' num_proc; 0 = this one)")
     text_column: str = _opt("text", "column holding the text in .jsonl/.parquet/Hub datasets")
     image_column: str = _opt("image", "column holding the images (image-classification)")
     label_column: str = _opt("label", "column holding the class ids (image-classification)")
@@ -90,6 +96,7 @@ class TrainConfig:
 
     # optimisation
     per_device_batch_size: int = _opt(8, "samples per process per micro-batch")
+    per_device_eval_batch_size: int = _opt(0, "samples per process per evaluation batch (0 = per_device_batch_size)")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
     optimizer: str = _opt("adamw", "adamw (decoupled decay on matrices and embeddings only) or adam (L2 decay on "
                           "every parameter, as in the lectures)", choices=OPTIMIZERS)
@@ -97,11 +104,13 @@ class TrainConfig:
     weight_decay: float = _opt(0.1, "weight decay (see --optimizer)")
     adam_beta1: float = _opt(0.9, "Adam beta1")
     adam_beta2: float = _opt(0.95, "Adam beta2")
-    lr_scheduler: str = _opt("cosine", "cosine (linear warmup, then cosine decay per step) or step (multiply by "
-                             "lr_gamma after every epoch, like StepLR(step_size=1) stepped once per epoch)",
-                             choices=LR_SCHEDULERS)
-    warmup_steps: int = _opt(0, "linear warmup steps before the cosine decay; 0 = 5% of the steps")
-    min_lr_ratio: float = _opt(0.1, "the cosine schedule decays to learning_rate * min_lr_ratio")
+    lr_scheduler_type: str = _opt("cosine_with_min_lr", "a transformers.get_scheduler schedule per optimizer step "
+                                  "(linear, cosine, cosine_with_min_lr, constant, constant_with_warmup, polynomial), "
+                                  "each after a linear warmup; or step (multiply by lr_gamma after every epoch, like "
+                                  "StepLR(step_size=1) stepped once per epoch)", choices=LR_SCHEDULERS)
+    warmup_ratio: float = _opt(0.05, "linear warmup over this fraction of the steps")
+    warmup_steps: int = _opt(0, "linear warmup over this many steps (overrides warmup_ratio when > 0)")
+    min_lr_ratio: float = _opt(0.1, "cosine_with_min_lr decays to learning_rate * min_lr_ratio")
     lr_gamma: float = _opt(0.5, "the step schedule multiplies the learning rate by this after every epoch")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     seed: int = _opt(42, "seed for model init, data order and dropout")
@@ -134,7 +143,8 @@ class TrainConfig:
     def validate(self) -> None:
         positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
-                        "profile_steps", "max_train_samples", "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
+                        "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
+                        "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")
@@ -147,6 +157,8 @@ class TrainConfig:
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise UsageError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}; pass e.g. 0.03")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UsageError(f"--min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}; pass e.g. 0.1")
         for name in ("adam_beta1", "adam_beta2"):
@@ -154,11 +166,11 @@ class TrainConfig:
                 raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)}; pass e.g. 0.9")
         reporters = self.report_to.split(",")
         if not set(reporters) <= set(REPORTERS) or ("none" in reporters and len(reporters) > 1):
-            raise UsageError(f"--report_to {self.report_to!r} is not supported; pass jsonl, tensorboard, "
-                             "jsonl,tensorboard or none")
+            raise UsageError(f"--report_to {self.report_to!r} is not supported; pass one or more of "
+                             f"{', '.join(r for r in REPORTERS if r != 'none')}, comma-separated, or none")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
-        for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler", LR_SCHEDULERS),
+        for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
@@ -216,8 +228,54 @@ def coerce(name: str, value: Any) -> Any:
         raise UsageError(f"{name}: expected {typ.__name__}, got {value!r}; fix the value in the config or on the command line") from None
 
 
+# Names the HF Trainer and transformers' run_clm.py use for the same options.
+ALIASES = {
+    "model_name_or_path": "model", "dataset_name": "dataset", "dataset_config_name": "dataset_config",
+    "num_train_epochs": "num_epochs", "per_device_train_batch_size": "per_device_batch_size",
+    "save_steps": "checkpoint_every", "save_total_limit": "keep_last", "logging_steps": "log_every",
+    "eval_steps": "eval_every", "overwrite_output_dir": "overwrite",
+    "lr_scheduler": "lr_scheduler_type",  # this project's own name before the get_scheduler names
+}
+# Names that are not options of a run here, and where what they set goes instead.
+ELSEWHERE = {
+    "num_processes": "an `accelerate launch` option: put it before `-m finetune`, e.g. "
+                     "`accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 -m finetune train ...`",
+    "mixed_precision": "an `accelerate launch` option: put it before `-m finetune`, e.g. "
+                       "`accelerate launch --config_file accelerate_configs/fsdp.yaml --mixed_precision bf16 -m finetune train ...`",
+    "bf16": "mixed precision, an `accelerate launch` option: `accelerate launch --mixed_precision bf16 ... -m finetune train ...`",
+    "fp16": "mixed precision, an `accelerate launch` option: `accelerate launch --mixed_precision fp16 ... -m finetune train ...`",
+    "num_machines": "an `accelerate launch` option: put it before `-m finetune`",
+    "gradient_checkpointing": "set by the accelerate config: `accelerate launch --config_file "
+                              "accelerate_configs/fsdp_activation_checkpointing.yaml -m finetune train ...`",
+}
+# What a fine-tune of a pretrained model starts from (the usual HF Trainer values); presets
+# trained from scratch keep the dataclass's nanoGPT-style values.
+FINE_TUNING_DEFAULTS = dict(optimizer="adamw", learning_rate=5e-5, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+                            lr_scheduler_type="linear", warmup_ratio=0.03, min_lr_ratio=0.0)
+
+
+def canonical_key(key: str, where: str) -> str:
+    """Our name for an option given under a Trainer/run_clm name; a one-line error
+    for names that belong to `accelerate launch` or its config."""
+    if key in ELSEWHERE:
+        raise UsageError(f"{where}{key} is {ELSEWHERE[key]}")
+    return ALIASES.get(key, key)
+
+
+def from_scratch(model: str) -> bool:
+    return any(model in entry.presets for entry in REGISTRY.values())
+
+
+def defaults_note(cfg: "TrainConfig") -> str:
+    """Which set of defaults the run started from, and why (written atop run_config.yaml)."""
+    if from_scratch(cfg.model):
+        return f"from-scratch defaults (nanoGPT-style), because --model {cfg.model} is a preset built from scratch"
+    return f"fine-tuning defaults ({FINE_TUNING_DEFAULTS}), because --model {cfg.model} is a pretrained model"
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
-    """YAML file (optional) < command-line overrides. Unknown keys are errors."""
+    """YAML file (optional) < command-line overrides. Unknown keys are errors;
+    Trainer/run_clm names are read as ours."""
     values: dict[str, Any] = {}
     if path:
         path = Path(path)
@@ -230,14 +288,21 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         if not isinstance(loaded, dict):
             raise UsageError(f"config file {path} must hold a mapping of option: value; fix its layout")
         known = {f.name for f in config_fields()}
-        for key in loaded:
-            if key not in known:
+        for key, value in loaded.items():
+            name = canonical_key(key, f"{path}: ")
+            if name not in known:
                 raise UsageError(f"unknown key '{key}' in {path}{_suggest(key) or '; see finetune train --help for the keys'}")
-        values.update(loaded)
+            if name in values:
+                raise UsageError(f"{path} sets {name} twice (as {key} and under another name); keep one")
+            if key == "lr_scheduler" and value == "cosine":
+                value = "cosine_with_min_lr"  # what "cosine" meant under the old name
+            values[name] = value
     values.update(overrides)
     task = values.get("task", TrainConfig.task)
     if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
-        values = {**REGISTRY[task].defaults, **values}
+        entry = REGISTRY[task]
+        model = values.get("model", entry.defaults.get("model", TrainConfig.model))
+        values = {**entry.defaults, **({} if from_scratch(model) else FINE_TUNING_DEFAULTS), **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()
     return cfg

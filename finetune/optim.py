@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
+from torch.optim.lr_scheduler import LRScheduler, StepLR
+from transformers import get_scheduler
 
 from finetune.config import TrainConfig
 
@@ -25,20 +26,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=True)
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup (the first step already moves), then cosine decay to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LRScheduler:
-    """Cosine counts optimizer steps; the lectures' StepLR (step_size=1) counts epochs."""
-    if cfg.lr_scheduler == "step":
+    """transformers' schedules count optimizer steps; the lectures' StepLR (step_size=1) counts epochs."""
+    if cfg.lr_scheduler_type == "step":
         return StepLR(optimizer, step_size=1, gamma=cfg.lr_gamma)
-    warmup = cfg.warmup_steps or max(1, total_steps // 20)
-    return LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total_steps, cfg.min_lr_ratio))
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    specific = {"min_lr_rate": cfg.min_lr_ratio} if cfg.lr_scheduler_type == "cosine_with_min_lr" else {}
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=specific)
 
 
 class LRSchedule:
@@ -52,7 +47,7 @@ class LRSchedule:
 
     @classmethod
     def for_config(cls, scheduler, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> "LRSchedule":
-        return cls(scheduler, optimizer, "epoch" if cfg.lr_scheduler == "step" else "step")
+        return cls(scheduler, optimizer, "epoch" if cfg.lr_scheduler_type == "step" else "step")
 
     @property
     def lr(self) -> float:

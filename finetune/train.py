@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
                                  resolve_checkpoint, saved_config)
-from finetune.config import TrainConfig, resume_changes
+from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
                                   count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank, peak_memory_bytes,
                                   persistent_state_bytes, slow_bf16_warning, verify_sharded)
@@ -184,7 +184,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
 
     checkpoints = CheckpointManager(
         accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
-        keep_last=cfg.keep_last, config_yaml=yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+        keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
@@ -211,7 +211,8 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
                          f"{task.batch_size_options}")
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True,
                               collate_fn=data.collate)
-    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_batch_size, collate_fn=data.collate)
+    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_eval_batch_size or cfg.per_device_batch_size,
+                             collate_fn=data.collate)
     return accelerator.prepare(train_loader, eval_loader)
 
 

@@ -102,7 +102,7 @@ def test_image_task_defaults_are_the_lecture_recipe_and_overridable(tmp_path):
     cfg = load_config(None, {"task": "image-classification"})
     assert (cfg.model, cfg.optimizer, cfg.learning_rate, cfg.adam_beta2, cfg.weight_decay) == \
         ("lecture-cnn", "adam", 1e-2, 0.999, 1e-4)
-    assert (cfg.lr_scheduler, cfg.lr_gamma, cfg.max_grad_norm, cfg.gradient_accumulation_steps,
+    assert (cfg.lr_scheduler_type, cfg.lr_gamma, cfg.max_grad_norm, cfg.gradient_accumulation_steps,
             cfg.per_device_batch_size, cfg.checkpoint_every_epochs) == ("step", 0.5, 0.1, 4, 64, 5)
     path = tmp_path / "run.yaml"
     path.write_text("task: image-classification\nlearning_rate: 0.003\n")

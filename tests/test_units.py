@@ -18,7 +18,8 @@ from finetune.data.text import load_raw_text, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
 from finetune.model_dir import write_model_dir
-from finetune.optim import lr_factor
+from finetune.config import LR_SCHEDULERS
+from finetune.optim import LRSchedule, build_scheduler
 
 # --- config ---------------------------------------------------------------------------------------
 
@@ -88,12 +89,51 @@ def test_top_level_help_lists_the_commands():
 # --- schedule -------------------------------------------------------------------------------------
 
 
-def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    factors = [lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(20)]
-    assert factors[0] == pytest.approx(0.25)  # the first step already learns
-    assert factors[3] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
-    assert lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
+@pytest.mark.parametrize("name", [n for n in LR_SCHEDULERS if n != "step"])
+def test_every_schedule_is_transformers_own_with_the_run_s_warmup(name):
+    from transformers import get_scheduler
+
+    total, ratio = 40, 0.1
+    cfg = load_config(None, {"model": "some/pretrained-model", "lr_scheduler_type": name, "warmup_ratio": ratio,
+                             "min_lr_ratio": 0.2, "learning_rate": 0.01})
+    ours_opt, theirs_opt = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01) for _ in range(2))
+    schedule = LRSchedule.for_config(build_scheduler(ours_opt, cfg, total), ours_opt, cfg)
+    specific = {"min_lr_rate": 0.2} if name == "cosine_with_min_lr" else {}
+    theirs = get_scheduler(name, theirs_opt, num_warmup_steps=4, num_training_steps=total,  # 10% of 40 steps
+                           scheduler_specific_kwargs=specific)
+    ours_lrs, their_lrs = [], []
+    for _ in range(total):
+        ours_lrs.append(schedule.lr)
+        their_lrs.append(theirs_opt.param_groups[0]["lr"])
+        ours_opt.step(), theirs_opt.step()
+        schedule.step_done()
+        theirs.step()
+        schedule.epoch_done()  # per-step schedules ignore epochs
+    assert ours_lrs == their_lrs
+    assert len(set(ours_lrs)) == 1 if name == "constant" else len(set(ours_lrs)) > 3
+
+
+def test_the_lectures_step_schedule_halves_once_per_epoch():
+    cfg = load_config(None, {"task": "image-classification"})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
+    schedule = LRSchedule.for_config(build_scheduler(optimizer, cfg, 100), optimizer, cfg)
+    lrs = []
+    for epoch in range(3):
+        for _ in range(5):
+            lrs.append(schedule.lr)
+            optimizer.step()
+            schedule.step_done()
+        schedule.epoch_done()
+    assert lrs == [1e-2] * 5 + [5e-3] * 5 + [2.5e-3] * 5
+
+
+def test_defaults_follow_what_the_model_is():
+    scratch, tuned = load_config(None, {"model": "tiny-gpt2"}), load_config(None, {"model": "path/to/pretrained"})
+    assert (scratch.learning_rate, scratch.weight_decay, scratch.adam_beta2, scratch.lr_scheduler_type) == \
+        (1e-3, 0.1, 0.95, "cosine_with_min_lr")
+    assert (tuned.learning_rate, tuned.weight_decay, tuned.adam_beta2, tuned.lr_scheduler_type, tuned.warmup_ratio) == \
+        (5e-5, 0.0, 0.999, "linear", 0.03)
+    assert load_config(None, {"model": "path/to/pretrained", "learning_rate": 1e-4}).learning_rate == 1e-4
 
 
 # --- data -----------------------------------------------------------------------------------------

@@ -221,15 +221,16 @@ class SFTStats:
         return f"{self.examples} examples" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def encode_split(split: Dataset, encoder: ChatEncoder, block_size: int, long_examples: str,
-                 desc: str) -> tuple[Dataset, SFTStats]:
+def encode_split(split: Dataset, encoder: ChatEncoder, block_size: int, long_examples: str, desc: str,
+                 num_proc: int = 0) -> tuple[Dataset, SFTStats]:
     """Token ids and labels, one example per row, fitted to `block_size`."""
     def encode(batch, indices):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
         return {"input_ids": [e.input_ids for e in encoded], "labels": [e.labels for e in encoded]}
 
-    tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names, desc=desc)
+    tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names, desc=desc,
+                       num_proc=num_proc or None)
     stats = SFTStats()
     kept_ids, kept_labels = [], []
     for ids, labels in zip(tokens["input_ids"], tokens["labels"]):
@@ -312,12 +313,14 @@ class PadCollator:
 
 
 def build_sft_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, data_format: str, block_size: int,
-                     train_on_prompt: bool, packing: bool, long_examples: str) -> tuple[DatasetDict, str]:
+                     train_on_prompt: bool, packing: bool, long_examples: str,
+                     num_proc: int = 0) -> tuple[DatasetDict, str]:
     """Training rows for every split, and a one-line description of them."""
     encoder = ChatEncoder(tokenizer, data_format, train_on_prompt)
     out, notes = {}, []
     for name, split in raw.items():
-        examples, stats = encode_split(split, encoder, block_size, long_examples, f"rendering {name} {data_format}")
+        examples, stats = encode_split(split, encoder, block_size, long_examples, f"rendering {name} {data_format}",
+                                       num_proc)
         if stats.examples == 0:
             raise UsageError(f"no {name} example is left after fitting to --block_size {block_size} "
                              f"({stats.describe()}); raise --block_size or pass --long_examples truncate")

@@ -25,19 +25,20 @@ IMAGE_FILES = {".parquet": "parquet", **{suffix: "imagefolder" for suffix in IMA
 
 
 def load_images(dataset: str, image_column: str, label_column: str, image_size: int, validation_split: float,
-                seed: int) -> tuple[DatasetDict, list[str] | None]:
+                seed: int, *, config: str = "", split: str = "",
+                eval_split: str = "") -> tuple[DatasetDict, list[str] | None]:
     """`train` and `validation` splits with `pixels` (uint8, image_size^2) and
     `label` (int), and the class names when the data has them."""
     raw = load_source(dataset, build_digits, IMAGE_FILES,
-                      ".parquet files or images (an image folder has one sub-directory per class)")
-    columns = train_split(raw).column_names
+                      ".parquet files or images (an image folder has one sub-directory per class)", config)
+    columns = train_split(raw, split).column_names
     for column, option in ((image_column, "--image_column"), (label_column, "--label_column")):
         if column not in columns:
             raise UsageError(f"--dataset {dataset} has no column {column!r} (columns: {', '.join(columns)}); "
                              f"pass {option} with the right name")
-    if len(train_split(raw)) == 0:
+    if len(train_split(raw, split)) == 0:
         raise UsageError(f"--dataset {dataset} holds no images; give it some")
-    raw = train_and_held_out(raw, validation_split, seed)
+    raw = train_and_held_out(raw, validation_split, seed, split, eval_split)
 
     label_feature = raw["train"].features[label_column]
     names = list(label_feature.names) if isinstance(label_feature, ClassLabel) else None

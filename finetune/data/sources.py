@@ -21,21 +21,35 @@ HELD_OUT_SPLITS = ("validation", "test")
 
 
 def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders: dict[str, str],
-                accepted: str) -> DatasetDict:
+                accepted: str, config: str = "") -> DatasetDict:
     """`file_builders` maps the file suffixes a task reads to `datasets`
-    builders; `accepted` names them for error messages."""
+    builders; `accepted` names them for error messages; `config` names one of
+    a dataset's configurations (a Hub dataset's, or those a local dir's
+    README.md dataset card declares)."""
     if dataset == "builtin":
         return builtin()
     path = Path(dataset)
+    if path.is_dir() and (path / "README.md").is_file():  # a dataset card: datasets reads its configs and files
+        return _load(str(path), config, f"--dataset {dataset}")
     if path.exists():
+        if config:
+            raise UsageError(f"--dataset {dataset} has no configurations (no README.md dataset card declares any); "
+                             "drop --dataset_config")
         return _load_local(path, file_builders, accepted)
     if dataset.startswith((".", "/", "~")) or path.suffix.lower() in file_builders:
         raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
+    return _load(dataset, config, f"Hub dataset {dataset!r}")
+
+
+def _load(dataset: str, config: str, what: str) -> DatasetDict:
+    """load_dataset, with the library's own reason (the list of configs, ...) in the one-line error."""
     try:
-        return load_dataset(dataset)
-    except Exception as e:  # datasets raises many types for unreachable or unknown ids
-        raise UsageError(f"could not load Hub dataset {dataset!r} ({type(e).__name__}); "
-                         "check the id and the network, or pass a local file or dir, or 'builtin'") from None
+        return load_dataset(dataset, name=config or None)
+    except Exception as e:  # datasets raises many types for unreachable or unknown ids and configs
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        fix = ("pass one with --dataset_config" if "onfig" in reason
+               else "check the id and the network, or pass a local file or dir, or 'builtin'")
+        raise UsageError(f"could not load {what} ({type(e).__name__}: {reason}); {fix}") from None
 
 
 def _load_local(path: Path, file_builders: dict[str, str], accepted: str) -> DatasetDict:
@@ -61,17 +75,29 @@ def _load_local(path: Path, file_builders: dict[str, str], accepted: str) -> Dat
                          "check the file format") from None
 
 
-def train_split(raw: DatasetDict) -> Dataset:
+def named_split(raw: DatasetDict, name: str, option: str) -> Dataset:
+    if name not in raw:
+        raise UsageError(f"{option} {name!r} is not a split of the data (its splits: {', '.join(raw)}); pass one of them")
+    return raw[name]
+
+
+def train_split(raw: DatasetDict, name: str = "") -> Dataset:
+    """The split named, else `train`, else the first."""
+    if name:
+        return named_split(raw, name, "--dataset_split")
     return raw["train"] if "train" in raw else raw[next(iter(raw))]
 
 
-def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int) -> DatasetDict:
-    """`train` and `validation`: the data's own held-out split when it has one,
-    else a `validation_split` fraction of the training samples (the same ones
-    for the same seed). With a single sample there is nothing to hold out, so
-    it is evaluated on as well, and a warning says so."""
-    train = train_split(raw)
-    held_out = next((raw[name] for name in HELD_OUT_SPLITS if name in raw and len(raw[name]) > 0), None)
+def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int, train_name: str = "",
+                       eval_name: str = "") -> DatasetDict:
+    """`train` and `validation`: the split named by `eval_name`, else the data's
+    own held-out split when it has one, else a `validation_split` fraction of
+    the training samples (the same ones for the same seed). With a single
+    sample there is nothing to hold out, so it is evaluated on as well, and a
+    warning says so."""
+    train = train_split(raw, train_name)
+    held_out = named_split(raw, eval_name, "--eval_split") if eval_name else next(
+        (raw[name] for name in HELD_OUT_SPLITS if name in raw and len(raw[name]) > 0 and raw[name] is not train), None)
     if held_out is not None:
         return DatasetDict(train=train, validation=held_out)
     if len(train) < 2:

@@ -27,42 +27,46 @@ def _builtin_chat() -> DatasetDict:
     return load_dataset("json", data_files=str(build_stdlib_questions()))
 
 
-def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float,
-                  seed: int) -> tuple[DatasetDict, str]:
+def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float, seed: int, *,
+                  config: str = "", split: str = "", eval_split: str = "") -> tuple[DatasetDict, str]:
     """`train` and `validation` splits, and the data format they are in. The
-    embedded default is plain text, or questions and answers for SFT formats."""
+    embedded default is plain text, or questions and answers for SFT formats.
+    `config`, `split` and `eval_split`: see sources.py."""
     builtin = _builtin_chat if data_format in SFT_FORMATS else _builtin_text
-    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files")
-    data_format = detect_format(train_split(raw).column_names, data_format, text_column, dataset)
+    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config)
+    data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset)
     if data_format == "text":
-        return _text_splits(raw, dataset, text_column, validation_split, seed), data_format
-    if len(train_split(raw)) == 0:
+        return _text_splits(raw, dataset, text_column, validation_split, seed, split, eval_split), data_format
+    if len(train_split(raw, split)) == 0:
         raise UsageError(f"--dataset {dataset} holds no examples; give it some rows")
-    raw = DatasetDict({name: split.add_column(EXAMPLE_NUMBER, list(range(1, len(split) + 1)))
-                       for name, split in raw.items()})
-    return train_and_held_out(raw, validation_split, seed), data_format
+    raw = DatasetDict({name: rows.add_column(EXAMPLE_NUMBER, list(range(1, len(rows) + 1)))
+                       for name, rows in raw.items()})
+    return train_and_held_out(raw, validation_split, seed, split, eval_split), data_format
 
 
-def load_raw_text(dataset: str, text_column: str, validation_split: float, seed: int) -> DatasetDict:
+def load_raw_text(dataset: str, text_column: str, validation_split: float, seed: int, *, config: str = "",
+                  split: str = "", eval_split: str = "") -> DatasetDict:
     """A DatasetDict with `train` and `validation` splits and a single `text` column."""
-    raw = load_source(dataset, _builtin_text, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files")
-    return _text_splits(raw, dataset, text_column, validation_split, seed)
+    raw = load_source(dataset, _builtin_text, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config)
+    return _text_splits(raw, dataset, text_column, validation_split, seed, split, eval_split)
 
 
-def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_split: float, seed: int) -> DatasetDict:
-    columns = train_split(raw).column_names
+def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_split: float, seed: int,
+                 split: str, eval_split: str) -> DatasetDict:
+    columns = train_split(raw, split).column_names
     if text_column not in columns:
         raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {', '.join(columns)}); "
                          "pass --text_column with the right name")
     raw = DatasetDict({name: split.select_columns([text_column]).rename_column(text_column, "text")
                        if text_column != "text" else split.select_columns(["text"]) for name, split in raw.items()})
     raw = raw.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
-    if len(train_split(raw)) == 0:
+    if len(train_split(raw, split)) == 0:
         raise UsageError(f"--dataset {dataset} holds no text; give it some non-empty documents")
-    return train_and_held_out(raw, validation_split, seed)
+    return train_and_held_out(raw, validation_split, seed, split, eval_split)
 
 
-def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DatasetDict:
+def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int,
+                       num_proc: int = 0) -> DatasetDict:
     """Token blocks of exactly `block_size` ids, an end-of-text token between documents."""
     eos = tokenizer.eos_token_id
 
@@ -74,7 +78,7 @@ def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, blo
         usable = len(stream) // block_size * block_size
         return {"input_ids": [stream[i:i + block_size] for i in range(0, usable, block_size)]}
 
-    tokens = raw.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing")
+    tokens = raw.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing", num_proc=num_proc or None)
     counts = {name: sum(len(ids) for ids in split["input_ids"]) for name, split in tokens.items()}
     blocks = tokens.map(group, batched=True, batch_size=1000, desc=f"grouping into blocks of {block_size}")
     for name, split in blocks.items():

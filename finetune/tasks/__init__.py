@@ -63,7 +63,7 @@ REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
               "AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING", tuple(CNN_PRESETS),
               defaults=dict(
                   model="lecture-cnn", optimizer="adam", learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999,
-                  weight_decay=1e-4, lr_scheduler="step", lr_gamma=0.5, max_grad_norm=0.1,
+                  weight_decay=1e-4, lr_scheduler_type="step", lr_gamma=0.5, max_grad_norm=0.1,
                   gradient_accumulation_steps=4, per_device_batch_size=64, num_epochs=10, checkpoint_every_epochs=5,
                   eval_every_epochs=1, sample_prompt="")),
 )}

@@ -112,17 +112,18 @@ class CausalLM(Task):
 
     def _raw_data(self) -> tuple[DatasetDict, str]:
         cfg = self.cfg
-        raw, data_format = load_raw_data(cfg.dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed)
+        raw, data_format = load_raw_data(cfg.dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
+                                         config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split)
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
         cfg = self.cfg
         if data_format == "text":
-            blocks = tokenize_and_group(raw, tokenizer, cfg.block_size)
+            blocks = tokenize_and_group(raw, tokenizer, cfg.block_size, cfg.preprocessing_num_workers)
             return blocks, f"{' / '.join(f'{len(rows)} {name}' for name, rows in blocks.items())} blocks of {cfg.block_size}"
         load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
         return build_sft_splits(raw, tokenizer, data_format, cfg.block_size, cfg.train_on_prompt, cfg.packing,
-                                cfg.long_examples)
+                                cfg.long_examples, cfg.preprocessing_num_workers)
 
     def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path):
         """A preset trains its own tokenizer on the training text (once, on the

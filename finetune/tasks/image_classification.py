@@ -54,7 +54,8 @@ class ImageClassification(Task):
     def _images(self, model: PreTrainedModel):
         cfg = self.cfg
         splits, names = load_images(cfg.dataset, cfg.image_column, cfg.label_column, model.config.image_size,
-                                    cfg.validation_split, cfg.seed)
+                                    cfg.validation_split, cfg.seed, config=cfg.dataset_config, split=cfg.dataset_split,
+                                    eval_split=cfg.eval_split)
         check_labels(splits, model.config.num_labels, cfg.dataset)
         return splits, names
 
