@@ -2,7 +2,7 @@
 
     finetune train [OPTIONS]            (under accelerate launch, torchrun, or alone)
     finetune resume RUN_DIR [OPTIONS]   continue a run from its latest checkpoint
-    finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16]
+    finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16|float16]
     finetune generate MODEL_DIR --prompt TEXT
     finetune evaluate MODEL_DIR --dataset ID_OR_PATH   perplexity or accuracy
     finetune estimate-memory --model NAME_OR_PATH --num_processes N
@@ -49,7 +49,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 # The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
-EVALUATE_DATA_OPTIONS = ("dataset", "data_format", "text_column", "chat_template", "train_on_prompt", "packing",
+EVALUATE_DATA_OPTIONS = ("dataset", "dataset_config", "data_format", "text_column", "chat_template", "train_on_prompt", "packing",
                          "long_examples", "block_size", "max_eval_samples", "image_column", "label_column",
                          "validation_split", "seed")
 
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
                         help="a checkpoints/step_NNNNNN dir, or a run dir (its newest complete checkpoint)")
     export.add_argument("--output", required=True, metavar="DIR", help="the model dir to write")
-    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="dtype of the stored weights (default: 'float32')")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output (default: False)")
     export.add_argument("--max_shard_size", type=byte_size, default="2GB",
@@ -201,8 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         evaluate.add_argument(f"--{name}", type=kind, default=getattr(defaults, name),
                               choices=[f for f in config_fields() if f.name == name][0].metadata.get("choices"),
                               help=f"as for train (default: {getattr(defaults, name)!r})")
-    evaluate.add_argument("--split", choices=["validation", "train"], default="validation",
-                          help="which split to score (default: 'validation')")
+    evaluate.add_argument("--dataset_split", default="",
+                          help="the split to score, all of it (default: the data's validation or test split, else all "
+                               "of a plain file)")
+    evaluate.add_argument("--held_out", action="store_true",
+                          help="score the part of the training split a run with these --validation_split and --seed "
+                               "held out, instead of a whole split (default: False)")
     evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
@@ -283,8 +287,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from finetune.inference import evaluate_model_dir
 
-    options = {name: getattr(args, name) for name in (*EVALUATE_DATA_OPTIONS, "per_device_batch_size")}
-    result = evaluate_model_dir(args.model_dir, args.split, options)
+    options = {name: getattr(args, name) for name in (*EVALUATE_DATA_OPTIONS, "per_device_batch_size", "dataset_split")}
+    result = evaluate_model_dir(args.model_dir, options, held_out=args.held_out)
+    counted = f", {result['num_tokens']:,} tokens" if "num_tokens" in result else ""
+    print(f"scored {result['documents']:,} documents ({result['rows']:,} rows{counted}) in {result['batches']:,} batches")
     print(json.dumps(result))
     return 0
 

@@ -58,14 +58,21 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: b
     return tokenizer.decode(out[0, ids.size(1):] if chat else out[0], skip_special_tokens=True).strip()
 
 
-def evaluate_model_dir(model_dir: str, split: str, options: dict) -> dict:
-    """The task's metric on a split built exactly as training builds it:
-    `options` are the train options that choose and shape the data (the same
-    seed and validation_split give the same held-out samples)."""
+def evaluate_model_dir(model_dir: str, options: dict, held_out: bool = False) -> dict:
+    """The task's metric on exactly the split `options["dataset_split"]` names,
+    else the data's own validation or test split, else all of it. With
+    `held_out`, the part training held out instead (the same validation_split
+    and seed: the same samples). `options` are the train options that shape the
+    data; the result also says how much was scored."""
     entry, model, tokenizer = load_model_dir(model_dir)
+    options = dict(options)
+    if not held_out:  # score the split itself: nothing is split off it
+        options.update(validation_split=0.0, eval_split=options.get("dataset_split", ""))
     cfg = TrainConfig(task=entry.name, **options)
     task = entry.load_class()(cfg)
     accelerator = Accelerator()
-    rows, collate = task.held_out(model, tokenizer, split)
-    model, loader = accelerator.prepare(model, DataLoader(rows, batch_size=cfg.per_device_batch_size, collate_fn=collate))
-    return task.evaluate(model, loader, accelerator)
+    scored = task.held_out(model, tokenizer)
+    loader = DataLoader(scored.rows, batch_size=cfg.per_device_batch_size, collate_fn=scored.collate)
+    model, loader = accelerator.prepare(model, loader)
+    return {**task.evaluate(model, loader, accelerator), "documents": scored.documents, "rows": len(scored.rows),
+            "batches": len(loader)}

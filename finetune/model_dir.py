@@ -23,7 +23,7 @@ from finetune.errors import UsageError
 from finetune.lock import process_alive
 from finetune.tasks import task_for_config
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def meta_model(config: PretrainedConfig) -> torch.nn.Module:

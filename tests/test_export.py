@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from conftest import check_ok, common_args, eval_rows, run_cli, run_in_process, train_rows
 
@@ -99,7 +100,20 @@ def test_generate_and_evaluate_use_the_export(exported, env, small_corpus):
     ev = finetune("evaluate", exported, "--dataset", small_corpus, "--block_size", "64", env=env)
     check_ok(ev)
     result = json.loads(ev.stdout.strip().splitlines()[-1])
-    assert 1 < result["perplexity"] < 2048 * 2
+
+    # Independently: every line a document ending in the end-of-text token, the
+    # stream cut into 64-token blocks, each block scored by the model's own loss.
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    lines = [line for line in small_corpus.read_text().splitlines() if line.strip()]
+    stream = [t for line in lines for t in tokenizer(line)["input_ids"] + [tokenizer.eos_token_id]]
+    blocks = torch.tensor(stream[: len(stream) // 64 * 64]).view(-1, 64)
+    with torch.no_grad():
+        nll = sum(float(model(input_ids=blocks[i:i + 16], labels=blocks[i:i + 16]).loss) * len(blocks[i:i + 16]) * 63
+                  for i in range(0, len(blocks), 16))
+    assert result["rows"] == len(blocks) and result["num_tokens"] == len(blocks) * 63
+    assert result["perplexity"] == pytest.approx(math.exp(nll / (len(blocks) * 63)), rel=1e-5)
+    assert f"scored {len(lines):,} documents ({len(blocks):,} rows, {len(blocks) * 63:,} tokens)" in ev.stdout
 
 
 def _bad(tmp_path: Path, checkpointed_run: Path, case: str) -> tuple[list, Path]:

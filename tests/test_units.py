@@ -234,11 +234,11 @@ def test_model_dir_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):
 def test_bf16_model_dir_is_half_the_size(tmp_path):
     model = _tiny_model()
     write_model_dir(model.state_dict(), model.config, tmp_path / "fp32")
-    write_model_dir(model.state_dict(), model.config, tmp_path / "bf16", dtype="bfloat16")
     fp32 = (tmp_path / "fp32" / "model.safetensors").stat().st_size
-    bf16 = (tmp_path / "bf16" / "model.safetensors").stat().st_size
-    assert 0.45 < bf16 / fp32 < 0.55
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    for dtype in ("bfloat16", "float16"):
+        write_model_dir(model.state_dict(), model.config, tmp_path / dtype, dtype=dtype)
+        assert 0.45 < (tmp_path / dtype / "model.safetensors").stat().st_size / fp32 < 0.55
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / dtype).dtype == getattr(torch, dtype)
 
 
 def test_next_token_nll_predicts_the_following_token_where_it_is_a_target():

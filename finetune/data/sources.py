@@ -92,14 +92,17 @@ def train_and_held_out(raw: DatasetDict, validation_split: float, seed: int, tra
                        eval_name: str = "") -> DatasetDict:
     """`train` and `validation`: the split named by `eval_name`, else the data's
     own held-out split when it has one, else a `validation_split` fraction of
-    the training samples (the same ones for the same seed). With a single
-    sample there is nothing to hold out, so it is evaluated on as well, and a
-    warning says so."""
+    the training samples (the same ones for the same seed); a `validation_split`
+    of 0 (`finetune evaluate`) holds out nothing and evaluates the whole
+    training split. With a single sample there is nothing to hold out, so it is
+    evaluated on as well, and a warning says so."""
     train = train_split(raw, train_name)
     held_out = named_split(raw, eval_name, "--eval_split") if eval_name else next(
         (raw[name] for name in HELD_OUT_SPLITS if name in raw and len(raw[name]) > 0 and raw[name] is not train), None)
     if held_out is not None:
         return DatasetDict(train=train, validation=held_out)
+    if validation_split == 0:
+        return DatasetDict(train=train, validation=train)
     if len(train) < 2:
         warnings.warn("the data holds a single sample: nothing can be held out, so evaluation uses the training "
                       "data; add samples or a validation split for a real held-out score", stacklevel=2)

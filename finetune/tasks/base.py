@@ -37,6 +37,14 @@ class TaskData:
 
 
 @dataclass
+class Scored:
+    """What `finetune evaluate` scores."""
+    rows: Dataset                # blocks, packed or padded examples, or images
+    collate: Callable | None
+    documents: int               # documents, examples or images before blocking
+
+
+@dataclass
 class LossSum:
     """A micro-batch's loss before normalisation. The loop divides the sum over
     the whole global batch (every micro-batch, every rank) by the count over
@@ -71,9 +79,8 @@ class Task:
         """The model and the data, checked before the run writes anything."""
         raise NotImplementedError
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                 split: str) -> tuple[Dataset, Callable | None]:
-        """A split built exactly as training builds it, for `finetune evaluate`, and its collate function."""
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> "Scored":
+        """The validation split built exactly as training builds it, for `finetune evaluate`."""
         raise NotImplementedError
 
     def loss(self, model, batch: dict) -> LossSum:

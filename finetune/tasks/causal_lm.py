@@ -22,7 +22,7 @@ from finetune.data.text import load_raw_data, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
-from finetune.tasks.base import LossSum, Task, TaskData
+from finetune.tasks.base import LossSum, Scored, Task, TaskData
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -98,12 +98,11 @@ class CausalLM(Task):
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format)
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                 split: str) -> tuple[Dataset, Callable | None]:
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
         self._check_block_size(model)
         raw, data_format = self._raw_data()
-        rows = self._splits(DatasetDict({split: raw[split]}), data_format, tokenizer)[0][split]
-        return rows, self._collate(data_format, tokenizer)
+        rows = self._splits(DatasetDict(validation=raw["validation"]), data_format, tokenizer)[0]["validation"]
+        return Scored(rows, self._collate(data_format, tokenizer), len(raw["validation"]))
 
     @staticmethod
     def _collate(data_format: str, tokenizer: PreTrainedTokenizerBase) -> Callable | None:

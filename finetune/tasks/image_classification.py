@@ -17,7 +17,7 @@ from finetune import models
 from finetune.data.images import check_labels, load_images, pixel_values
 from finetune.errors import UsageError
 from finetune.presets import CNN_PRESETS
-from finetune.tasks.base import LossSum, Task, TaskData
+from finetune.tasks.base import LossSum, Scored, Task, TaskData
 
 
 class ImageClassification(Task):
@@ -47,9 +47,9 @@ class ImageClassification(Task):
                                f"{len(splits['train'])} train / {len(splits['validation'])} validation images of "
                                f"{image_size}x{image_size}")
 
-    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
-                 split: str) -> tuple[Dataset, None]:
-        return self._images(model)[0][split], None
+    def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
+        images = self._images(model)[0]["validation"]
+        return Scored(images, None, len(images))
 
     def _images(self, model: PreTrainedModel):
         cfg = self.cfg

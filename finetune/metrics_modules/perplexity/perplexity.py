@@ -37,4 +37,4 @@ class Perplexity(evaluate.Metric):
         if tokens == 0:
             raise ValueError("no tokens were scored")
         mean_nll = sum(nll_sum) / tokens
-        return {"eval_loss": mean_nll, "perplexity": math.exp(min(mean_nll, 700.0))}
+        return {"eval_loss": mean_nll, "perplexity": math.exp(min(mean_nll, 700.0)), "num_tokens": tokens}
