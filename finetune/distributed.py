@@ -320,16 +320,19 @@ class WriteFailed(Exception):
     """A write failed on some rank; the message is that rank's reason."""
 
 
-def on_every_rank(accelerator: Accelerator, action) -> None:
+# torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError.
+WRITE_ERRORS = (OSError, CheckpointException, RuntimeError, SafetensorError)
+
+
+def on_every_rank(accelerator: Accelerator, action, errors: tuple[type[BaseException], ...] = WRITE_ERRORS) -> None:
     """Run `action` on this rank, then agree with the others (one collective)
-    on whether it failed anywhere with an OS error (a full disk, a read-only
-    dir): if so, every rank raises WriteFailed with the first rank's reason,
-    instead of one rank dying and the others waiting for it."""
+    on whether it failed anywhere with one of `errors` (by default OS errors: a
+    full disk, a read-only dir): if so, every rank raises WriteFailed with the
+    first rank's reason, instead of one rank dying and the others waiting for it."""
     reason = None
     try:
         action()
-    # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError.
-    except (OSError, CheckpointException, RuntimeError, SafetensorError) as e:
+    except errors as e:
         if is_collective_timeout(e):
             raise
         reason = _reason(e)

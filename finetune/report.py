@@ -1,13 +1,19 @@
 """What a run reports: metrics through Accelerate's trackers (metrics.jsonl,
-TensorBoard), the loss plot, and summary.json / summary.md at the end."""
+TensorBoard, Weights & Biases, MLflow), the loss plot, and summary.json /
+summary.md at the end.
+
+Trackers get grouped names (`train/loss`, `eval/perplexity`); metrics.jsonl
+keeps the flat ones of its contract (`loss`, `eval_loss`, `perplexity`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import uuid
 from pathlib import Path
 
-from accelerate.tracking import GeneralTracker
+from accelerate import PartialState
+from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, WandBTracker
 
 from finetune.errors import UsageError
 
@@ -29,20 +35,104 @@ class JSONLTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.write(json.dumps({"step": step, **flat_names(values)}) + "\n")
 
 
-def build_trackers(report_to: str, run_dir: Path) -> list:
-    """Accelerate trackers for --report_to: metrics.jsonl, TensorBoard, or none."""
+def grouped_names(row: dict) -> dict:
+    """A metrics row (without its step) under the trackers' grouped names."""
+    group = "eval" if "eval_loss" in row else "train"
+    return {f"{group}/{key.removeprefix('eval_') if group == 'eval' else key}": value
+            for key, value in row.items() if key != "step"}
+
+
+def flat_names(values: dict) -> dict:
+    """The inverse of grouped_names."""
+    flat = {}
+    for key, value in values.items():
+        group, _, name = key.partition("/")
+        flat["eval_loss" if (group, name) == ("eval", "loss") else name or key] = value
+    return flat
+
+
+# Where a run keeps the ids of its tracker runs, so that a resume continues them.
+TRACKER_RUNS = "tracker_runs.json"
+
+
+class TrackerRuns:
+    """The W&B / MLflow run ids of a training run: new for a new run, the
+    recorded ones for a resume. Read and written on the main process when the
+    trackers start (after every check has passed)."""
+
+    def __init__(self, run_dir: Path, resume: bool):
+        self.path, self.resume = run_dir / TRACKER_RUNS, resume
+
+    def get(self, tracker: str) -> str | None:
+        if not self.resume or not self.path.is_file():
+            return None
+        return json.loads(self.path.read_text()).get(tracker)
+
+    def record(self, tracker: str, run_id: str) -> None:
+        ids = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.path.write_text(json.dumps({**ids, tracker: run_id}) + "\n")
+
+
+class RunWandB(WandBTracker):
+    """One W&B run per training run, named after the run dir; a resume continues it."""
+
+    def __init__(self, run_dir: Path, runs: TrackerRuns):
+        super().__init__("finetune", name=run_dir.name, dir=str(run_dir), resume="allow")
+        self.runs = runs
+
+    def start(self):
+        if PartialState().is_main_process:
+            self.init_kwargs["id"] = self.runs.get("wandb") or uuid.uuid4().hex[:16]
+            self.runs.record("wandb", self.init_kwargs["id"])
+        super().start()
+
+
+class RunMLflow(MLflowTracker):
+    """One MLflow run per training run (experiment "finetune", run name = the
+    run dir's name; MLFLOW_TRACKING_URI says where); a resume continues it."""
+
+    def __init__(self, run_dir: Path, runs: TrackerRuns):
+        super().__init__(experiment_name="finetune", run_name=run_dir.name)
+        self.runs = runs
+
+    def start(self):
+        if PartialState().is_main_process:
+            self.run_id = self.runs.get("mlflow")
+            super().start()
+            self.runs.record("mlflow", self.active_run.info.run_id)
+
+    def store_init_configuration(self, values: dict):
+        # MLflow refuses to change a logged parameter, and a resume may change some (max_steps, ...):
+        # the parameters stay those the run started with.
+        if self.run_id is None:
+            super().store_init_configuration(values)
+
+
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def build_trackers(report_to: str, run_dir: Path, resume: bool) -> list:
+    """Accelerate trackers for --report_to: metrics.jsonl, TensorBoard, W&B, MLflow, or none."""
     wanted = set(report_to.split(","))
+    for name in sorted(wanted & set(TRACKER_PACKAGES)):
+        module, package = TRACKER_PACKAGES[name]
+        if not importlib.util.find_spec(module):
+            raise UsageError(f"--report_to {name} needs the {package} package; pip install 'finetune[{name}]', "
+                             f"or drop {name} from --report_to")
+    runs = TrackerRuns(run_dir, resume)
     trackers: list = []
     if "jsonl" in wanted:
         trackers.append(JSONLTracker(run_dir / "metrics.jsonl"))
     if "tensorboard" in wanted:
-        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
-            raise UsageError("--report_to tensorboard needs the tensorboard package; pip install tensorboard, "
-                             "or drop tensorboard from --report_to")
-        trackers.append("tensorboard")
+        trackers.append(TensorBoardTracker("tensorboard", run_dir))
+    if "wandb" in wanted:
+        trackers.append(RunWandB(run_dir, runs))
+    if "mlflow" in wanted:
+        trackers.append(RunMLflow(run_dir, runs))
     return trackers
 
 

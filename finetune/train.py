@@ -43,7 +43,7 @@ from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
-from finetune.report import build_trackers, truncate_metrics, write_summary
+from finetune.report import build_trackers, grouped_names, truncate_metrics, write_summary
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
 from finetune.tasks.base import Task, TaskData, build_task
@@ -84,7 +84,7 @@ class Run:
         return self.cfg.per_device_batch_size * self.accelerator.num_processes
 
     def log(self, row: dict) -> None:
-        self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        self.accelerator.log(grouped_names(row), step=row["step"])
 
     def evaluate(self) -> dict:
         result = self.task.evaluate(self.model, self.eval_loader, self.accelerator)
@@ -109,7 +109,8 @@ def train(cfg: TrainConfig) -> dict:
     check_preset_task(cfg.model, cfg.task)
     run_dir = Path(cfg.output_dir)
     fresh_run_dir = not run_dir.exists()
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, build_trackers(cfg.report_to, run_dir),
+    trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
                                     run_dir, timeout_s=cfg.ddp_timeout)
     heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
     try:
@@ -240,12 +241,16 @@ def resume(run: Run, checkpoint: Path) -> None:
 def start_writing(run: Run, resumed_from: Path | None) -> None:
     """Everything is checked: from here on the run writes into its dir."""
     acc = run.accelerator
+    try:  # first: a tracker that cannot start (a bad MLFLOW_TRACKING_URI, ...) leaves the run as it was
+        on_every_rank(acc, lambda: acc.init_trackers(run.run_dir.name, config=run.cfg.to_dict()), errors=(Exception,))
+    except WriteFailed as e:
+        raise UsageError(f"--report_to {run.cfg.report_to}: a tracker could not start ({e}); fix its settings "
+                         "(MLFLOW_TRACKING_URI, WANDB_MODE, ...) or drop it from --report_to") from None
     run.checkpoints.start_timeline(run.progress.step, resumed_from)
     if acc.is_main_process:
         (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
         if resumed_from is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    acc.init_trackers("tensorboard", config=run.cfg.to_dict())
     acc.print(f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "
               f"parameters in {run.fsdp_units} FSDP unit(s), per rank {run.shards.local_params_per_rank}; "
               f"{run.data.description}; {run.total_steps} steps")

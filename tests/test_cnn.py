@@ -116,8 +116,9 @@ def test_tensorboard_gets_the_same_metrics_as_the_jsonl(cnn_run):
     events = EventAccumulator(str(next((cnn_run / "tensorboard").rglob("events.out.tfevents.*")).parent))
     events.Reload()
     rows = read_jsonl(cnn_run / "metrics.jsonl")
-    for tag in ("loss", "lr", "epoch_loss", "accuracy"):
-        expected = [(r["step"], r[tag]) for r in rows if tag in r]
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("epoch_loss", "train/epoch_loss"),
+                     ("eval_loss", "eval/loss"), ("accuracy", "eval/accuracy")):
+        expected = [(r["step"], r[key]) for r in rows if key in r]
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
         assert [s for s, _ in logged] == [s for s, _ in expected] and expected, tag
         assert all(math.isclose(v, w, rel_tol=1e-6) for (_, v), (_, w) in zip(logged, expected)), tag

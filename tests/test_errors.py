@@ -154,6 +154,10 @@ CASES = {
     "a data format the columns contradict": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--data_format", "instruction"],
         "--data_format instruction needs the column(s) instruction, output"),
+    "an accelerate launch option after the command": (lambda t: ["--num_processes", "2"],
+                                                      "--num_processes is an `accelerate launch` option"),
+    "a split the data does not have": (lambda t: ["--dataset", str(_jsonl_with_body(t)), "--text_column", "body",
+                                                  "--eval_split", "dev"], "'dev' is not a split of the data"),
     "a GGUF file that does not exist": (lambda t: ["--model", str(t / "model.Q4_0.gguf")],
                                         "model.Q4_0.gguf does not exist; pass an existing .gguf file"),
     "a chat template that refuses a conversation": (
