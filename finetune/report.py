@@ -89,6 +89,10 @@ class RunWandB(WandBTracker):
             self.runs.record("wandb", self.init_kwargs["id"])
         super().start()
 
+    def finish(self):
+        if getattr(self, "run", None) is not None:  # not when the start failed
+            super().finish()
+
 
 class RunMLflow(MLflowTracker):
     """One MLflow run per training run (experiment "finetune", run name = the

@@ -138,7 +138,8 @@ CASES = {
     "misspelt option": (lambda t: ["--learning_rte", "0.1"], "did you mean --learning_rate?"),
     "value out of range": (lambda t: ["--validation_split", "1.5"], "--validation_split must be between 0 and 1"),
     "wrong type": (lambda t: ["--max_steps", "ten"], "max_steps: expected int"),
-    "unknown report_to": (lambda t: ["--report_to", "wandb"], "--report_to 'wandb' is not supported"),
+    "unknown report_to": (lambda t: ["--report_to", "comet"], "--report_to 'comet' is not supported"),
+    "a tracker that cannot start": (lambda t: ["--report_to", "wandb"], "a tracker could not start"),
     "messages that are not a list of turns": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}, {"messages": ["just a string"]})],
         "example 2: messages must be a non-empty list"),
