@@ -34,6 +34,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
 from finetune.model_dir import write_model_files
+from finetune.report import say
 from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
 
 
@@ -209,7 +210,7 @@ class CheckpointManager:
             later = [c for c in complete_checkpoints(self.root.parent) if checkpoint_step(c) > step]
             if later:
                 aside = self._set_aside(later)
-                acc.print(f"moved {len(later)} checkpoint(s) of the abandoned timeline ({later[0].name}..."
+                say(acc, f"moved {len(later)} checkpoint(s) of the abandoned timeline ({later[0].name}..."
                           f"{later[-1].name}) aside to {aside}")
         acc.wait_for_everyone()
 
@@ -252,7 +253,7 @@ class CheckpointManager:
             raise UsageError(f"could not write checkpoint {target} ({reason}); {kept}: free space or fix the "
                              f"permissions of {self.root}, then continue with `finetune resume {self.root.parent}`") from None
         self.last_saved_step = progress.step
-        acc.print(f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
+        say(acc, f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
 
     def _make_dir(self, tmp: Path) -> None:
@@ -287,16 +288,16 @@ class CheckpointManager:
         start = time.perf_counter()
         progress = verify_checkpoint(checkpoint_dir)
         if (checkpoint_dir / MANIFEST).is_file():
-            acc.print(f"verified {checkpoint_dir} against its manifest in {time.perf_counter() - start:.2f} s")
+            say(acc, f"verified {checkpoint_dir} against its manifest in {time.perf_counter() - start:.2f} s")
         else:
-            acc.print(f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
+            say(acc, f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
                       "for damage")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), acc.distributed_type == DistributedType.FSDP)
         start = time.perf_counter()
         acc.load_state(str(checkpoint_dir))
-        acc.print(f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
+        say(acc, f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:
-            acc.print(f"checkpoint written by {progress.world_size} rank(s), resuming on {acc.num_processes}: "
+            say(acc, f"checkpoint written by {progress.world_size} rank(s), resuming on {acc.num_processes}: "
                       "model and optimizer resharded; step, LR schedule and epoch carry over; the data position "
                       "carries over to within one global batch")
         if acc.process_index >= progress.world_size:

@@ -29,6 +29,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant
 REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
 DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
 LONG_EXAMPLES = ("truncate", "drop")
+LOG_FORMATS = ("auto", "bar", "plain")
 
 
 # Options a resume may change, and what the change does. Every other option is
@@ -42,7 +43,7 @@ RESUME_MAY_CHANGE = {
     "model": "the weights come from the checkpoint, which must fit its shapes (checked)",
     # With another number of processes, this keeps the global batch (and so the losses) the same.
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
-    **dict.fromkeys(("log_every", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
+    **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
                      "ddp_timeout", "per_device_eval_batch_size"),
                     "applies from the next step"),
@@ -116,7 +117,9 @@ class TrainConfig:
     seed: int = _opt(42, "seed for model init, data order and dropout")
 
     # bookkeeping
-    log_every: int = _opt(1, "write a metrics row every N optimizer steps")
+    log_every: int = _opt(1, "write a metrics row (and, with plain logs, a console line) every N optimizer steps")
+    log_format: str = _opt("auto", "bar (a progress bar), plain (one line per logged step and per evaluation), or "
+                           "auto: bar on a terminal, plain elsewhere or with TQDM_DISABLE=1", choices=LOG_FORMATS)
     report_to: str = _opt("jsonl", "where metrics go, through Accelerate's trackers: jsonl (RUN_DIR/metrics.jsonl), "
                           "tensorboard (RUN_DIR/tensorboard), both as jsonl,tensorboard, or none")
     eval_every: int = _opt(0, "evaluate on the validation split every N steps (0 = only at start and end)")
@@ -171,7 +174,8 @@ class TrainConfig:
         if not 0.0 < self.lr_gamma <= 1.0:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
-                              ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES)):
+                              ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
+                              ("log_format", LOG_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 

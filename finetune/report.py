@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 import uuid
 from pathlib import Path
 
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, WandBTracker
+from tqdm.auto import tqdm
 
 from finetune.errors import UsageError
 
@@ -206,6 +209,42 @@ def write_summary(summary: dict, run_dir: Path) -> None:
     (run_dir / "summary.md").write_text(summary_markdown(summary, run_dir))
     if (run_dir / "metrics.jsonl").is_file():
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+
+
+def plain_logs(log_format: str) -> bool:
+    """Plain lines instead of a progress bar: asked for, or no terminal to
+    redraw a bar on (a CI log, a file), or bars disabled with TQDM_DISABLE."""
+    if log_format != "auto":
+        return log_format == "plain"
+    return not sys.stdout.isatty() or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes")
+
+
+def quiet_library_bars() -> None:
+    """datasets', transformers' and the Hub's progress bars (a redrawn line each)."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def say(accelerator, message: str) -> None:
+    """A line of its own on the main process, never glued to a progress bar."""
+    if accelerator.is_main_process:
+        tqdm.write(message)
+        sys.stdout.flush()
+
+
+def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
+    unit = throughput_key.removesuffix("_per_sec")
+    return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
+            f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}")
+
+
+def evaluation_line(step: int, result: dict, metric: str) -> str:
+    return f"eval at step {step}: loss {result['eval_loss']:.4f}, {metric} {result[metric]:.4f}"
 
 
 def eval_line(summary: dict) -> str:

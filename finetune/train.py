@@ -43,7 +43,8 @@ from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
-from finetune.report import build_trackers, grouped_names, truncate_metrics, write_summary
+from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars, say,
+                             step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
 from finetune.tasks.base import Task, TaskData, build_task
@@ -72,6 +73,7 @@ class Run:
     last_loss: float | None = None                                # stays None when a resume has no step left
     state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
     train_seconds: float = 0.0
+    plain_logs: bool = False                                      # a line per logged step instead of a bar
     bar: tqdm = field(default_factory=lambda: tqdm(disable=True))  # fit() shows the real one
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(0, Path(), 0))
 
@@ -90,6 +92,7 @@ class Run:
         result = self.task.evaluate(self.model, self.eval_loader, self.accelerator)
         self.log({"step": self.progress.step, "epoch": self.progress.epoch, **result})
         self.evals.append((self.progress.step, result))
+        say(self.accelerator, evaluation_line(self.progress.step, result, self.task.metric_name))
         return result
 
 
@@ -113,6 +116,8 @@ def train(cfg: TrainConfig) -> dict:
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
                                     run_dir, timeout_s=cfg.ddp_timeout)
     heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
+    if plain_logs(cfg.log_format) or not accelerator.is_main_process:
+        quiet_library_bars()  # only the main process shows progress, and only on a terminal
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
             return run_to_the_end(setup_run(cfg, accelerator, stop, heartbeats))
@@ -192,7 +197,8 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
-              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model))
+              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model),
+              plain_logs=plain_logs(cfg.log_format))
     measure_state_after_first_step(run)
     if resume_from:
         resume(run, resume_from)
@@ -261,8 +267,8 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
 def fit(run: Run) -> None:
     run.model.train()  # from_pretrained returns a model in eval mode: dropout off
     start = time.perf_counter()
-    with tqdm(total=run.total_steps, initial=run.progress.step, disable=not run.accelerator.is_main_process,
-              desc="training", dynamic_ncols=True) as run.bar, \
+    with tqdm(total=run.total_steps, initial=run.progress.step, desc="training", dynamic_ncols=True,
+              disable=run.plain_logs or not run.accelerator.is_main_process) as run.bar, \
             StepProfiler(run.cfg.profile_steps, run.run_dir / "profile", run.accelerator.process_index) as run.profiler:
         while run.progress.step < run.total_steps:
             batches = epoch_batches(run)
@@ -342,8 +348,11 @@ def after_step(run: Run, result: StepResult) -> None:
     progress.epoch_steps += 1
     throughput = result.units / result.seconds
     if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
-        run.log({"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
-                 "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput})
+        row = {"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
+               "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput}
+        run.log(row)
+        if run.plain_logs:
+            say(run.accelerator, step_line(row, run.total_steps, run.task.throughput_key))
     run.profiler.step()
     run.bar.update(1)
     run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{result.lr:.2e}", **{run.task.throughput_key: f"{throughput:,.0f}"})
