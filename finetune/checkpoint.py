@@ -76,8 +76,13 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path:
-    """Turn `latest` or a path into a checkpoint dir, with clear errors."""
+def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
+    """Turn `latest`, `auto` or a path into a checkpoint dir, with clear errors.
+    `auto` is `latest` when there is a complete checkpoint and None (start
+    fresh) when there is none: one job script survives preemption and requeueing."""
+    if spec == "auto":
+        found = complete_checkpoints(run_dir)
+        return found[-1] if found else None
     if spec == "latest":
         found = complete_checkpoints(run_dir)
         if not found:

@@ -128,7 +128,9 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "sharded checkpoint every N optimizer steps (0 = only at the end)")
     checkpoint_every_epochs: int = _opt(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)")
     keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
-    resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from")
+    resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from; 'auto': the newest "
+                                       "complete checkpoint when there is one, else start fresh (for job scripts "
+                                       "that are requeued)")
     profile_steps: int = _opt(0, "record N optimizer steps (after 2 warm-up steps) with torch.profiler into "
                               "RUN_DIR/profile/ (0 = no profiling)")
     sample_prompt: str = _opt("The", "prompt for the sample printed from the final causal LM ('' = no sample)")

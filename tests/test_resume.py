@@ -198,3 +198,22 @@ def test_sigkill_of_a_rank_while_a_checkpoint_is_written(tmp_path, env, small_co
     if (run_dir / "checkpoints" / "step_000008").is_dir():
         pytest.skip("the step-8 save completed before the kill landed; nothing half-written to test")
     assert newest == 4, "the half-written step-8 checkpoint must not be used"
+
+
+def test_resume_auto_starts_fresh_then_resumes_exactly(tmp_path, env, small_corpus):
+    """One job script for a requeued job: the same command starts a run in an
+    empty dir, and continues it from its newest checkpoint after preemption."""
+    def command(run_dir: Path) -> list[str]:
+        return ["train", *common_args(small_corpus), "--max_steps", "4", "--checkpoint_every", "2",
+                "--resume_from_checkpoint", "auto", "--output_dir", str(run_dir)]
+
+    first = tmp_path / "first"
+    check_ok(run_cli(command(first), env, mixed_precision="no"))  # nothing to resume: starts fresh
+    losses = [r["loss"] for r in train_rows(first)]
+    assert len(losses) == 4
+    requeued = interrupted_copy(first, 2, tmp_path / "requeued")
+    proc = run_cli(command(requeued), env, mixed_precision="no")
+    check_ok(proc)
+    assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
+    assert [r["step"] for r in train_rows(requeued)] == [3, 4]
+    assert [r["loss"] for r in train_rows(requeued)] == pytest.approx(losses[2:], rel=1e-6, abs=1e-6)
