@@ -6,6 +6,7 @@
     finetune generate MODEL_DIR --prompt TEXT
     finetune evaluate MODEL_DIR --dataset ID_OR_PATH   perplexity or accuracy
     finetune estimate-memory --model NAME_OR_PATH --num_processes N
+    finetune configs [--path NAME]   the accelerate configs shipped with finetune
 
 Bad input raises `UsageError`: one line on stderr, exit code 2.
 """
@@ -210,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
+    configs = sub.add_parser("configs", help="list the accelerate configs shipped with finetune, or print one's path")
+    configs.add_argument("--path", metavar="NAME", default=None,
+                         help="print only the path of this config (e.g. fsdp), for accelerate launch --config_file")
+    configs.set_defaults(func=cmd_configs, subparser=configs)
+
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
     memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
     memory.add_argument("--num_processes", type=positive_int, default=None, help="ranks (default: the accelerate config's, else 2)")
@@ -292,6 +298,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     counted = f", {result['num_tokens']:,} tokens" if "num_tokens" in result else ""
     print(f"scored {result['documents']:,} documents ({result['rows']:,} rows{counted}) in {result['batches']:,} batches")
     print(json.dumps(result))
+    return 0
+
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    from finetune.launch_configs import config_path, listing
+
+    print(config_path(args.path) if args.path else listing())
     return 0
 
 

@@ -18,7 +18,7 @@ def test_readme_has_the_commands_this_test_runs():
     assert commands[:2] == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]  # the two commands first
     assert any("-m finetune train" in c for c in run) and any("-m finetune resume" in c for c in run)
     assert {c.split()[1] for c in run if c.startswith("finetune ")} == {"export", "generate", "evaluate",
-                                                                        "estimate-memory"}
+                                                                        "estimate-memory", "configs"}
 
 
 def test_readme_training_resuming_and_export(readme_workdir):
