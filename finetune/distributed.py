@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import (DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
+from accelerate.utils import (DataLoaderConfiguration, broadcast_object_list, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
                                gather_object)
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
@@ -318,6 +318,25 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 class WriteFailed(Exception):
     """A write failed on some rank; the message is that rank's reason."""
+
+
+def main_process_first(accelerator: Accelerator, action):
+    """`action()` on the main process first (it fills the caches), then on the
+    others. When the main process finds bad input, every rank raises its
+    UsageError, so each exits with the one-line error instead of waiting at a
+    barrier the main process never reaches (and dying with a gloo traceback)."""
+    if accelerator.num_processes == 1:
+        return action()
+    verdict = [None]
+    if accelerator.is_main_process:
+        try:
+            result = action()
+        except UsageError as e:
+            verdict = [str(e)]
+    broadcast_object_list(verdict, from_process=0)
+    if verdict[0] is not None:
+        raise UsageError(verdict[0])
+    return result if accelerator.is_main_process else action()
 
 
 # torch.save reports a full disk as a RuntimeError, safetensors as a SafetensorError.

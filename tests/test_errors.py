@@ -544,3 +544,41 @@ def test_readme_lists_every_message():
         README.write_text(text[:start] + section + text[end:])
         return
     assert text[start:end] == section, "README troubleshooting is stale: FINETUNE_UPDATE_README=1 bash scripts/test.sh tests/test_errors.py"
+
+
+LAUNCHED_CASES = {  # case -> (arguments, the error's words, whether it needs no process group)
+    "misspelt option": (lambda t: ["--max_step", "3"], "did you mean --max_steps?", True),
+    "missing data file": (lambda t: ["--dataset", str(t / "none.txt")], "does not exist", True),
+    "value out of range": (lambda t: ["--validation_split", "2"], "--validation_split must be between 0 and 1", True),
+    "unknown config key": (lambda t: ["--config", str(_yaml(t, "learning_rte: 0.1\n"))], "unknown key 'learning_rte'",
+                           True),
+    "another run's output dir": (lambda t: ["--output_dir", str(_existing_run(t))], "already holds a run", True),
+    "missing text column": (lambda t: ["--dataset", str(_jsonl_with_body(t))], "has no column 'text'", False),
+}
+
+
+def _yaml(tmp: Path, text: str) -> Path:
+    (tmp / "run.yaml").write_text(text)
+    return tmp / "run.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAUNCHED_CASES))
+def test_bad_input_under_accelerate_launch_is_one_line_from_one_rank(case, tmp_path, env):
+    """Every rank reaches the same verdict: our line once, no worker traceback,
+    and what needs no process group fails about as fast as the launcher starts."""
+    make_args, expected, early = LAUNCHED_CASES[case]
+    args = make_args(tmp_path)
+    if "--output_dir" not in args:
+        args += ["--output_dir", str(tmp_path / "out")]
+    start = time.perf_counter()
+    proc = run_cli(["train", *args, "--max_steps", "2"] if case != "misspelt option" else ["train", *args], env)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and expected in ours[0], output[-3000:]
+    package = str(REPO / "finetune")
+    assert "[rank" not in output and package not in output, output[-3000:]  # no worker traceback
+    assert proc.returncode != 0
+    if early:
+        assert seconds < 20, seconds

@@ -20,6 +20,7 @@ from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template
 from finetune.data.sources import limit_samples
 from finetune.data.text import load_raw_data, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
+from finetune.distributed import main_process_first
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
@@ -86,15 +87,13 @@ class CausalLM(Task):
         conversion); the run dir gets nothing but a preset's tokenizer before
         every check has passed."""
         cfg = self.cfg
-        with accelerator.main_process_first():
-            if is_gguf(cfg.model):
-                self.model_source = str(converted_dir(cfg.model))
-            raw, data_format = self._raw_data()
+        if is_gguf(cfg.model):
+            self.model_source = str(main_process_first(accelerator, lambda: converted_dir(cfg.model)))
+        raw, data_format = main_process_first(accelerator, self._raw_data)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir)
-        with accelerator.main_process_first():
-            splits, description = self._splits(raw, data_format, tokenizer)
+        splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format)
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
 from finetune.data.images import check_labels, load_images, pixel_values
+from finetune.distributed import main_process_first
 from finetune.errors import UsageError
 from finetune.presets import CNN_PRESETS
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
@@ -36,8 +37,7 @@ class ImageClassification(Task):
         if getattr(model.config, "num_channels", 1) != 1 or not isinstance(image_size, int):
             raise UsageError(f"--model {cfg.model} does not take square grayscale images; use lecture-cnn or a "
                              "model saved from it")
-        with accelerator.main_process_first():
-            splits, names = self._images(model)
+        splits, names = main_process_first(accelerator, lambda: self._images(model))
         if names and len(names) == model.config.num_labels:  # exported with the model: config.id2label
             model.config.id2label = dict(enumerate(names))
             model.config.label2id = {name: i for i, name in enumerate(names)}
