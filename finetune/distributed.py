@@ -320,6 +320,24 @@ class WriteFailed(Exception):
     """A write failed on some rank; the message is that rank's reason."""
 
 
+def check_wrap_policy(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """FSDP2's size-based wrap (fsdp_cnn.yaml, the lectures' policy) would wrap
+    any module over the threshold, and fully_shard refuses containers without
+    a forward (a transformer's ModuleList of blocks): say so in one line
+    before `prepare` fails with a traceback."""
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type != DistributedType.FSDP or "size_based" not in str(plugin.auto_wrap_policy).lower():
+        return
+    containers = [(name, type(module).__name__) for name, module in model.named_modules()
+                  if name and type(module).forward is torch.nn.Module.forward
+                  and sum(p.numel() for p in module.parameters()) > plugin.min_num_params]
+    if containers:
+        name, kind = containers[0]
+        raise UsageError(f"this accelerate config wraps modules by size, which would make {name} (a {kind} without "
+                         f"forward) an FSDP unit, and FSDP2 cannot; launch {type(model).__name__} with "
+                         "accelerate_configs/fsdp.yaml (a unit per transformer block)")
+
+
 def main_process_first(accelerator: Accelerator, action):
     """`action()` on the main process first (it fills the caches), then on the
     others. When the main process finds bad input, every rank raises its

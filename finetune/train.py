@@ -36,8 +36,8 @@ from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint
                                  resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank, peak_memory_bytes,
-                                  persistent_state_bytes, slow_bf16_warning, verify_sharded)
+                                  check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
+                                  peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
@@ -185,6 +185,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     # gradient_accumulation_steps are left.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
+    check_wrap_policy(accelerator, model)
     optimizer = build_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
 

@@ -582,3 +582,16 @@ def test_bad_input_under_accelerate_launch_is_one_line_from_one_rank(case, tmp_p
     assert proc.returncode != 0
     if early:
         assert seconds < 20, seconds
+
+
+@pytest.mark.slow
+def test_size_based_wrap_of_a_transformer_is_one_line(tmp_path, env, small_corpus):
+    """fsdp_cnn.yaml (the lectures' size-based wrap) with tiny-gpt2: refused
+    before `prepare`, naming the config that shards it, on every rank."""
+    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "2", "--output_dir", str(tmp_path / "run")],
+                   env, config="fsdp_cnn.yaml")
+    output = proc.stdout + proc.stderr
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "transformer.h (a ModuleList without forward)" in ours[0], output[-3000:]
+    assert "accelerate_configs/fsdp.yaml" in ours[0] and "[rank" not in output
+    assert not (tmp_path / "run").exists()
