@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from finetune.config import (ALIASES, ELSEWHERE, FINE_TUNING_DEFAULTS, TrainConfig, canonical_key, coerce,
                              config_fields, field_types, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
@@ -138,7 +140,9 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse, naming the subcommand's help (and the closest option) for unknown options."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(argv)
     if unknown:
         options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
@@ -262,13 +266,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from finetune.launch import relaunch, under_a_launcher
+
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
     if args.config:
         raise UsageError("resume takes its config from RUN_DIR/run_config.yaml; pass changes as options, not --config")
     overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
-    return _run(load_config(run_config, overrides))
+    cfg = load_config(run_config, overrides)  # checked here first: bad options fail before any relaunch
+    launch = yaml.safe_load(run_config.read_text()).get("launch")
+    if launch and not under_a_launcher():  # typed in a plain shell: launch it again as the run was launched
+        return relaunch(Path(args.run_dir), launch, args.argv)
+    return _run(cfg)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

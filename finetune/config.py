@@ -294,6 +294,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         if not isinstance(loaded, dict):
             raise UsageError(f"config file {path} must hold a mapping of option: value; fix its layout")
         known = {f.name for f in config_fields()}
+        loaded.pop("launch", None)  # how the run was launched (launch.py): a record, not an option
         for key, value in loaded.items():
             name = canonical_key(key, f"{path}: ")
             if name not in known:

@@ -39,6 +39,7 @@ from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_ac
                                   check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
                                   peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
+from finetune.launch import record as launch_record
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
@@ -191,7 +192,8 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
 
     checkpoints = CheckpointManager(
         accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
-        keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+        keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
+            {**cfg.to_dict(), "launch": recorded_launch(resume_from, run_dir)}, sort_keys=False),
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
@@ -207,6 +209,15 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     if not resume_from:
         run.evaluate()
     return run
+
+
+def recorded_launch(resume_from: Path | None, run_dir: Path) -> dict | None:
+    """How this run was launched (see launch.py); a resume started without the
+    launcher's command line keeps what the run recorded."""
+    launch = launch_record()
+    if launch is None and resume_from is not None:
+        launch = yaml.safe_load((run_dir / "run_config.yaml").read_text()).get("launch")
+    return launch
 
 
 def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
