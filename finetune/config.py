@@ -36,8 +36,10 @@ LOG_FORMATS = ("auto", "bar", "plain")
 # fixed by the checkpoint: the data, its order, the model and the optimizer's
 # construction depend on them.
 RESUME_MAY_CHANGE = {
-    "max_steps": "the run now ends there; the learning rate schedule spans the new length",
-    "num_epochs": "the run now ends there; the learning rate schedule spans the new length",
+    "max_steps": "the run now ends there; the learning-rate schedule is stretched or shrunk to the new length "
+                 "from the next step on",
+    "num_epochs": "the run now ends there; the learning-rate schedule is stretched or shrunk to the new length "
+                  "from the next step on",
     "learning_rate": "the rest of the schedule is rescaled to the new peak",
     "max_grad_norm": "clipping uses it from the next step",
     "model": "the weights come from the checkpoint, which must fit its shapes (checked)",

@@ -62,6 +62,20 @@ class LRSchedule:
         if self.counts == "epoch":
             self.scheduler.step()
 
+    def follow_new_length(self, step: int) -> str | None:
+        """After a resume that changed the run's length: the optimizer still holds
+        the learning rate the old schedule gave; take the new schedule's value at
+        this step now (not one step late), and say what changed."""
+        torch_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
+        if self.counts != "step" or not hasattr(torch_scheduler, "lr_lambdas"):
+            return None
+        old = self.lr
+        for group, base, factor in zip(self.optimizer.param_groups, torch_scheduler.base_lrs,
+                                       torch_scheduler.lr_lambdas):
+            group["lr"] = base * factor(step)
+        return (f"the learning-rate schedule now spans the new length: the learning rate of step {step + 1} is "
+                f"{self.lr:.3e} (it was {old:.3e} on the old length)")
+
     def rescale_peak(self, learning_rate: float) -> str | None:
         """A checkpoint restores the schedule of the old peak learning rate; a
         resume that passes another --learning_rate scales what is left of the

@@ -174,8 +174,12 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
         accelerator.print(warning)
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+    new_length = False
     if resume_from:
-        for change in resume_changes(saved_config(resume_from), cfg):
+        saved = saved_config(resume_from)
+        new_length = any(saved.get(name, getattr(cfg, name)) != getattr(cfg, name)
+                         for name in ("max_steps", "num_epochs"))
+        for change in resume_changes(saved, cfg):
             accelerator.print(f"resume changes {change}")
     set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
@@ -204,7 +208,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
               plain_logs=plain_logs(cfg.log_format))
     measure_state_after_first_step(run)
     if resume_from:
-        resume(run, resume_from)
+        resume(run, resume_from, new_length)
     start_writing(run, resume_from)
     if not resume_from:
         run.evaluate()
@@ -247,11 +251,13 @@ def measure_state_after_first_step(run: Run) -> None:
     handle = torch_optimizer.register_step_post_hook(measure)
 
 
-def resume(run: Run, checkpoint: Path) -> None:
+def resume(run: Run, checkpoint: Path, new_length: bool) -> None:
     run.progress = run.checkpoints.load(checkpoint, run.model, run.cfg.seed)
     if run.accelerator.is_main_process:  # rows logged after that checkpoint belong to the lost part of the run
         truncate_metrics(run.run_dir / "metrics.jsonl", run.progress.step)
     run.accelerator.print(f"resumed from {checkpoint} at step {run.progress.step}")
+    if new_length and (change := run.schedule.follow_new_length(run.progress.step)):
+        run.accelerator.print(change)
     if change := run.schedule.rescale_peak(run.cfg.learning_rate):
         run.accelerator.print(change)
 

@@ -113,6 +113,32 @@ def test_every_schedule_is_transformers_own_with_the_run_s_warmup(name):
     assert len(set(ours_lrs)) == 1 if name == "constant" else len(set(ours_lrs)) > 3
 
 
+def test_a_longer_resumed_run_takes_the_new_schedule_from_its_next_step():
+    cfg = load_config(None, {"model": "some/pretrained-model"})  # linear, 3% warmup
+
+    def schedule(total: int) -> LRSchedule:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
+        return LRSchedule.for_config(build_scheduler(optimizer, cfg, total), optimizer, cfg)
+
+    def run(s: LRSchedule, steps: int) -> None:
+        for _ in range(steps):
+            s.optimizer.step()
+            s.step_done()
+
+    old, longer = schedule(30), schedule(40)
+    run(old, 20)
+    run(longer, 20)
+    resumed = schedule(40)  # a resume with --max_steps 40 of a 30-step run stopped at step 20
+    resumed.scheduler.load_state_dict(old.scheduler.state_dict())
+    resumed.optimizer.load_state_dict(old.optimizer.state_dict())
+    assert resumed.lr == old.lr != longer.lr
+    note = resumed.follow_new_length(20)
+    assert resumed.lr == pytest.approx(longer.lr) and f"{longer.lr:.3e}" in note and f"{old.lr:.3e}" in note
+    run(resumed, 5)
+    run(longer, 5)
+    assert resumed.lr == pytest.approx(longer.lr)
+
+
 def test_the_lectures_step_schedule_halves_once_per_epoch():
     cfg = load_config(None, {"task": "image-classification"})
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
