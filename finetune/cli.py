@@ -1,14 +1,14 @@
-"""Command line: parse -> config -> dispatch.
+"""finetune: fully sharded (FSDP) fine-tuning through Hugging Face Accelerate.
 
-    finetune train [OPTIONS]            (under accelerate launch, torchrun, or alone)
-    finetune resume RUN_DIR [OPTIONS]   continue a run from its latest checkpoint
+    accelerate launch --config_file $(finetune configs --path fsdp) -m finetune train [OPTIONS]
+    finetune resume RUN_DIR [OPTIONS]       continue a run (relaunches itself as the run was launched)
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16|float16]
-    finetune generate MODEL_DIR --prompt TEXT
-    finetune evaluate MODEL_DIR --dataset ID_OR_PATH   perplexity or accuracy
+    finetune generate MODEL --prompt TEXT [--chat]
+    finetune evaluate MODEL --dataset ID_OR_PATH   perplexity or accuracy
     finetune estimate-memory --model NAME_OR_PATH --num_processes N
-    finetune configs [--path NAME]   the accelerate configs shipped with finetune
+    finetune configs [--path NAME]          the accelerate configs shipped with finetune
 
-Bad input raises `UsageError`: one line on stderr, exit code 2.
+Bad input ends with one line naming the problem and the fix, and exit code 2.
 """
 
 from __future__ import annotations
@@ -28,12 +28,35 @@ from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
 
-def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE.yaml", help="run config file (Trainer/run_clm names accepted too); "
-                                                              "command-line options override it")
+# `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
+OPTION_GROUPS = {
+    "model": ("task", "model", "trust_remote_code"),
+    "data": ("dataset", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
+             "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
+             "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),
+    "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
+                 "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",
+                 "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
+                 "max_grad_norm", "seed"),
+    "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
+                                "resume_from_checkpoint"),
+    "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
+                               "report_to", "sample_prompt", "profile_steps"),
+    "FSDP and launch (sharding, processes and precision come from `accelerate launch --config_file`; "
+    "`finetune configs` lists them)": ("ddp_timeout",),
+}
+
+
+def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = True) -> None:
+    if config_file:
+        parser.add_argument("--config", metavar="FILE.yaml", help="run config file (Trainer/run_clm names accepted "
+                                                                  "too); command-line options override it")
     defaults = TrainConfig()
     types = field_types()
+    by_title = {title: parser.add_argument_group(title) for title in OPTION_GROUPS}
+    groups = {name: by_title[title] for title, names in OPTION_GROUPS.items() for name in names}
     for f in config_fields():
+        group = groups[f.name]
         default = getattr(defaults, f.name)
         fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
                        if f.name in FINE_TUNING_DEFAULTS else "")
@@ -43,12 +66,12 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         names = [f"--{f.name}", *(f"--{alias}" for alias, name in ALIASES.items() if name == f.name)]
         if types[f.name] is bool:
-            parser.add_argument(*names, nargs="?", const=True, metavar="true|false", **kwargs)
+            group.add_argument(*names, nargs="?", const=True, metavar="true|false", **kwargs)
             if f.name == "packing":
-                parser.add_argument("--no_packing", dest="packing", action="store_const", const=False,
-                                    default=argparse.SUPPRESS, help="same as --packing false")
+                group.add_argument("--no_packing", dest="packing", action="store_const", const=False,
+                                   default=argparse.SUPPRESS, help="same as --packing false")
         else:
-            parser.add_argument(*names, metavar=types[f.name].__name__.upper(), **kwargs)
+            group.add_argument(*names, metavar=types[f.name].__name__.upper(), **kwargs)
 
 
 # The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
@@ -125,13 +148,11 @@ class _Parser(argparse.ArgumentParser):
     knows listed for suggestions."""
 
     def __init__(self, *args, **kwargs):
-        self.known_options: list[str] = []  # before argparse adds --help
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
-    def add_argument(self, *args, **kwargs):
-        action = super().add_argument(*args, **kwargs)
-        self.known_options += action.option_strings
-        return action
+    @property
+    def known_options(self) -> list[str]:
+        return [option for action in self._actions for option in action.option_strings]
 
     def error(self, message: str):
         raise UsageError(f"{message}; see `{self.prog} --help`")
@@ -165,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint, with optional overrides")
     resume.add_argument("run_dir", help="a run directory holding run_config.yaml and checkpoints/")
-    _add_config_options(resume)
+    _add_config_options(resume, config_file=False)
     resume.set_defaults(func=cmd_resume, subparser=resume)
 
     export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir (one process, CPU)")
@@ -271,8 +292,6 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
-    if args.config:
-        raise UsageError("resume takes its config from RUN_DIR/run_config.yaml; pass changes as options, not --config")
     overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
     cfg = load_config(run_config, overrides)  # checked here first: bad options fail before any relaunch
     launch = yaml.safe_load(run_config.read_text()).get("launch")

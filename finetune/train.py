@@ -275,9 +275,15 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
         (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
         if resumed_from is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    acc.print(f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "
-              f"parameters in {run.fsdp_units} FSDP unit(s), per rank {run.shards.local_params_per_rank}; "
-              f"{run.data.description}; {run.total_steps} steps")
+    if run.fsdp_units:
+        layout = (f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "
+                  f"parameters in {run.fsdp_units} FSDP unit(s), per rank {run.shards.local_params_per_rank}")
+    elif acc.num_processes > 1:
+        layout = (f"{acc.distributed_type.value} on {acc.num_processes} processes, each holding all "
+                  f"{run.shards.total_params:,} parameters")
+    else:
+        layout = f"1 process, {run.shards.total_params:,} parameters (no sharding)"
+    acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps")
 
 
 # --- the loop -------------------------------------------------------------------------------------

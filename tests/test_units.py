@@ -72,6 +72,19 @@ def test_train_help_lists_every_option_with_its_default():
     assert out.count("(default:") == len(config_fields())
 
 
+def test_help_is_grouped_and_offers_only_what_each_command_accepts():
+    from finetune.cli import OPTION_GROUPS
+
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in config_fields())  # every option in exactly one group
+    top = _cli("--help").stdout
+    assert "finetune configs" in top and "UsageError" not in top and "dispatch" not in top
+    train = _cli("train", "--help").stdout
+    headings = [line.rstrip(":") for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[:6] == ["options", "model", "data", "training", "checkpoints and outputs", "evaluation and logging"]
+    assert "--config FILE.yaml" in train and "--config " not in _cli("resume", "--help").stdout
+
+
 def test_console_exit_code_2_and_one_line_for_bad_input(tmp_path):
     """A real process (the other bad inputs are in test_errors.py, in-process)."""
     proc = _cli("train", "--max_step", "3", "--output_dir", str(tmp_path / "run"))
