@@ -1,7 +1,7 @@
 """finetune: fully sharded (FSDP) fine-tuning through Hugging Face Accelerate.
 
     accelerate launch --config_file $(finetune configs --path fsdp) -m finetune train [OPTIONS]
-    finetune resume RUN_DIR [OPTIONS]       continue a run (relaunches itself as the run was launched)
+    accelerate launch --config_file CONFIG -m finetune resume RUN_DIR [OPTIONS]   continue a run
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16|float16]
     finetune generate MODEL --prompt TEXT [--chat]
     finetune evaluate MODEL --dataset ID_OR_PATH   perplexity or accuracy
@@ -19,8 +19,6 @@ import json
 import os
 import sys
 from pathlib import Path
-
-import yaml
 
 from finetune.config import (ALIASES, ELSEWHERE, FINE_TUNING_DEFAULTS, TrainConfig, canonical_key, coerce,
                              config_fields, field_types, load_config)
@@ -161,9 +159,7 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse, naming the subcommand's help (and the closest option) for unknown options."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
     args, unknown = parser.parse_known_args(argv)
-    args.argv = list(argv)
     if unknown:
         options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
@@ -287,17 +283,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from finetune.launch import relaunch, under_a_launcher
-
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
     overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
-    cfg = load_config(run_config, overrides)  # checked here first: bad options fail before any relaunch
-    launch = yaml.safe_load(run_config.read_text()).get("launch")
-    if launch and not under_a_launcher():  # typed in a plain shell: launch it again as the run was launched
-        return relaunch(Path(args.run_dir), launch, args.argv)
-    return _run(cfg)
+    return _run(load_config(run_config, overrides))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -325,8 +325,10 @@ def check_wrap_policy(accelerator: Accelerator, model: torch.nn.Module) -> None:
     any module over the threshold, and fully_shard refuses containers without
     a forward (a transformer's ModuleList of blocks): say so in one line
     before `prepare` fails with a traceback."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
     plugin = accelerator.state.fsdp_plugin
-    if accelerator.distributed_type != DistributedType.FSDP or "size_based" not in str(plugin.auto_wrap_policy).lower():
+    if "size_based" not in str(plugin.auto_wrap_policy).lower():
         return
     containers = [(name, type(module).__name__) for name, module in model.named_modules()
                   if name and type(module).forward is torch.nn.Module.forward

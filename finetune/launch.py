@@ -1,24 +1,18 @@
-"""How a run was launched, recorded in its run_config.yaml, so that
-`finetune resume RUN` typed in a plain shell relaunches itself the same way:
-the commands we print then work as printed.
+"""How a run was launched, recorded under `launch:` in its run_config.yaml
+(the facts a relaunch of the run needs).
 
 Under `accelerate launch`, every worker is a child of the launcher process;
 its command line (Linux: /proc/PID/cmdline) holds the launch options, and the
-accelerate config they name is read and recorded whole, so the relaunch does
-not depend on that file still being where it was.
+accelerate config they name is read and recorded whole, so that a relaunch
+need not depend on that file still being where it was.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
-
-from finetune.errors import UsageError
 
 # Launcher options that depend on the moment, not on the run: a relaunch picks them afresh.
 NOT_REPLAYED = {"--main_process_port", "--config_file"}
@@ -70,24 +64,3 @@ def record() -> dict | None:
     config_file = _option(options, "--config_file")
     config = yaml.safe_load((cwd / config_file).read_text()) if config_file else None
     return {"launcher_options": replayed, "accelerate_config": config}
-
-
-def under_a_launcher() -> bool:
-    return "LOCAL_RANK" in os.environ or launcher_options() is not None
-
-
-def relaunch(run_dir: Path, launch: dict, argv: list[str]) -> int:
-    """Run `finetune ARGV` again under `accelerate launch` as the run was launched."""
-    if launch.get("accelerate_config") is None and not launch.get("launcher_options"):
-        raise UsageError(f"{run_dir} does not record how it was launched; resume it under accelerate launch as "
-                         "you started it: `accelerate launch --config_file CONFIG -m finetune resume "
-                         f"{run_dir}`")
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if launch.get("accelerate_config") is not None:
-        config_file = run_dir / "accelerate_config.yaml"  # the recorded content, next to the run it launched
-        config_file.write_text(yaml.safe_dump(launch["accelerate_config"], sort_keys=False))
-        command += ["--config_file", str(config_file)]
-    command += [*launch.get("launcher_options", []), "-m", "finetune", *argv]
-    shown = shlex.join(["accelerate", "launch", *command[3:]])
-    print(f"relaunching as the run was launched: {shown}", flush=True)
-    return subprocess.call(command)

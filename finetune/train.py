@@ -197,7 +197,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     checkpoints = CheckpointManager(
         accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
-            {**cfg.to_dict(), "launch": recorded_launch(resume_from, run_dir)}, sort_keys=False),
+            {**cfg.to_dict(), "launch": recorded_launch(resume_from)}, sort_keys=False),
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
@@ -215,12 +215,12 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     return run
 
 
-def recorded_launch(resume_from: Path | None, run_dir: Path) -> dict | None:
+def recorded_launch(resume_from: Path | None) -> dict | None:
     """How this run was launched (see launch.py); a resume started without the
-    launcher's command line keeps what the run recorded."""
+    launcher's command line keeps what its checkpoint recorded."""
     launch = launch_record()
     if launch is None and resume_from is not None:
-        launch = yaml.safe_load((run_dir / "run_config.yaml").read_text()).get("launch")
+        launch = saved_config(resume_from).get("launch")
     return launch
 
 
@@ -256,7 +256,8 @@ def resume(run: Run, checkpoint: Path, new_length: bool) -> None:
     if run.accelerator.is_main_process:  # rows logged after that checkpoint belong to the lost part of the run
         truncate_metrics(run.run_dir / "metrics.jsonl", run.progress.step)
     run.accelerator.print(f"resumed from {checkpoint} at step {run.progress.step}")
-    if new_length and (change := run.schedule.follow_new_length(run.progress.step)):
+    steps_left = run.progress.step < run.total_steps
+    if new_length and steps_left and (change := run.schedule.follow_new_length(run.progress.step)):
         run.accelerator.print(change)
     if change := run.schedule.rescale_peak(run.cfg.learning_rate):
         run.accelerator.print(change)

@@ -4,7 +4,6 @@ world size, a real SIGKILL, and clear errors for checkpoints that do not fit."""
 from __future__ import annotations
 
 import json
-import re
 import os
 import shutil
 import signal
@@ -218,39 +217,3 @@ def test_resume_auto_starts_fresh_then_resumes_exactly(tmp_path, env, small_corp
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
     assert [r["step"] for r in train_rows(requeued)] == [3, 4]
     assert [r["loss"] for r in train_rows(requeued)] == pytest.approx(losses[2:], rel=1e-6, abs=1e-6)
-
-
-def test_the_printed_resume_command_works_verbatim_from_a_plain_shell(tmp_path, env, small_corpus):
-    """Ctrl-C under `accelerate launch`, then the command the run printed, typed
-    as is in a new shell elsewhere: it relaunches itself on the same processes
-    under FSDP and continues exactly."""
-    args = [*common_args(small_corpus), "--max_steps", "30", "--checkpoint_every", "3"]
-    reference = tmp_path / "reference"
-    check_ok(run_cli(["train", *args, "--output_dir", str(reference)], env, mixed_precision="no"))
-
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "-m", "finetune", "train", *args, "--output_dir", str(run_dir)]
-    launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoints" / "step_000003").is_dir():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGINT)
-    _, err = launcher.communicate(timeout=120)
-    printed = re.search(r"continue with `([^`]+)`", err)
-    assert printed and printed.group(1) == f"finetune resume {run_dir}", err[-3000:]
-
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    proc = subprocess.run(["bash", "-c", printed.group(1)], cwd=elsewhere, env=env, capture_output=True, text=True,
-                          timeout=300)
-    check_ok(proc)
-    assert "relaunching as the run was launched: accelerate launch" in proc.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["distributed_type"], summary["world_size"], summary["steps"]) == ("FSDP", 2, 30)
-    losses = {r["step"]: r["loss"] for r in train_rows(run_dir)}
-    expected = {r["step"]: r["loss"] for r in train_rows(reference)}
-    assert sorted(losses) == list(range(1, 31))
-    assert [losses[s] for s in range(1, 31)] == pytest.approx([expected[s] for s in range(1, 31)], rel=1e-6, abs=1e-6)
