@@ -78,51 +78,24 @@ EVALUATE_DATA_OPTIONS = ("dataset", "dataset_config", "data_format", "text_colum
                          "validation_split", "seed")
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _checked(convert, accepts, expected: str, rule: str):
+    """An argparse type: `convert` the text, then require `accepts(value)`."""
+    def check(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+    return check
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def fraction_or_one(text: str) -> float:
-    value = non_negative_float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
-    return value
+positive_int = _checked(int, lambda v: v > 0, "a whole number", "> 0")
+non_negative_int = _checked(int, lambda v: v >= 0, "a whole number", ">= 0")
+non_negative_float = _checked(float, lambda v: v >= 0, "a number", ">= 0")
+fraction = _checked(float, lambda v: 0.0 < v < 1.0, "a number between 0 and 1", "between 0 and 1")
+fraction_or_one = _checked(float, lambda v: 0.0 < v <= 1.0, "a number", "in (0, 1]")
 
 
 def byte_size(text: str) -> int:

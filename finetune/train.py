@@ -175,8 +175,8 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     run_dir = Path(cfg.output_dir)
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
     new_length = False
+    saved = saved_config(resume_from) if resume_from else {}  # the config the checkpoint was written with
     if resume_from:
-        saved = saved_config(resume_from)
         new_length = any(saved.get(name, getattr(cfg, name)) != getattr(cfg, name)
                          for name in ("max_steps", "num_epochs"))
         for change in resume_changes(saved, cfg):
@@ -196,8 +196,9 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
 
     checkpoints = CheckpointManager(
         accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
+        # How the run was launched; a resume without the launcher's command line keeps its checkpoint's record.
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
-            {**cfg.to_dict(), "launch": recorded_launch(resume_from)}, sort_keys=False),
+            {**cfg.to_dict(), "launch": launch_record() or saved.get("launch")}, sort_keys=False),
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
@@ -213,15 +214,6 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     if not resume_from:
         run.evaluate()
     return run
-
-
-def recorded_launch(resume_from: Path | None) -> dict | None:
-    """How this run was launched (see launch.py); a resume started without the
-    launcher's command line keeps what its checkpoint recorded."""
-    launch = launch_record()
-    if launch is None and resume_from is not None:
-        launch = saved_config(resume_from).get("launch")
-    return launch
 
 
 def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
