@@ -173,8 +173,9 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
             raise UsageError(f"checkpoint {checkpoint_dir} does not fit the model: {name} is {list(stored[name])} "
                              f"in the checkpoint and {list(param.shape)} in the model; resume with the run's own --model")
     if (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and not sharded_run:
-        raise UsageError(f"{checkpoint_dir} holds FSDP shards and this run is not FSDP; resume it under "
-                         "`accelerate launch --config_file accelerate_configs/fsdp.yaml` (any --num_processes)")
+        raise UsageError(f"{checkpoint_dir} holds FSDP shards and this run is not FSDP; resume it with `finetune resume "
+                         f"{checkpoint_dir.parent.parent}` (relaunched as it was launched) or under `accelerate launch "
+                         "--config_file $(finetune configs --path fsdp)` (any --num_processes)")
     if not (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and sharded_run:
         raise UsageError(f"{checkpoint_dir} was written without FSDP and this run is FSDP; resume it with the "
                          "accelerate config it was trained with, or start from its export with --model")

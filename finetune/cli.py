@@ -1,7 +1,7 @@
 """finetune: fully sharded (FSDP) fine-tuning through Hugging Face Accelerate.
 
     accelerate launch --config_file $(finetune configs --path fsdp) -m finetune train [OPTIONS]
-    accelerate launch --config_file CONFIG -m finetune resume RUN_DIR [OPTIONS]   continue a run
+    finetune resume RUN_DIR [OPTIONS]       continue a run, relaunched as it was launched
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16|float16]
     finetune generate MODEL --prompt TEXT [--chat]
     finetune evaluate MODEL --dataset ID_OR_PATH   perplexity or accuracy
@@ -132,7 +132,9 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Parse, naming the subcommand's help (and the closest option) for unknown options."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args, unknown = parser.parse_known_args(argv)
+    args.argv = argv
     if unknown:
         options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
@@ -155,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint, with optional overrides")
     resume.add_argument("run_dir", help="a run directory holding run_config.yaml and checkpoints/")
+    relaunch = resume.add_argument_group(
+        "relaunch (typed in a plain shell, resume relaunches the run under accelerate launch as run_config.yaml "
+        "records it; under a launcher it runs in place)")
+    relaunch.add_argument("--num_processes", type=positive_int, default=None,
+                          help="relaunch on this many processes instead of the recorded number (default: None)")
+    relaunch.add_argument("--no_relaunch", action="store_true",
+                          help="resume in this one process even though the run was launched (default: False)")
     _add_config_options(resume, config_file=False)
     resume.set_defaults(func=cmd_resume, subparser=resume)
 
@@ -256,11 +265,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    import yaml
+
+    from finetune.launch import without_options, relaunch, under_a_launcher
+    from finetune.train import check_resumable
+
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
     overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
-    return _run(load_config(run_config, overrides))
+    cfg = load_config(run_config, overrides)
+    if under_a_launcher():
+        if args.num_processes is not None:
+            raise UsageError("under a launcher, the number of processes is the launcher's: give --num_processes to "
+                             "accelerate launch, before -m finetune")
+        return _run(cfg)
+    launch = yaml.safe_load(run_config.read_text()).get("launch") or {}
+    if args.no_relaunch or "launcher_options" not in launch:
+        return _run(cfg)
+    check_resumable(cfg)  # bad input fails here, in seconds, before any process starts
+    return relaunch(Path(args.run_dir), launch, without_options(args.argv, {"--num_processes"}), args.num_processes)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -315,6 +339,14 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from finetune.launch import leave_exit_code
+
+    code = run_command(argv)
+    leave_exit_code(code)
+    return code
+
+
+def run_command(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
         return args.func(args)

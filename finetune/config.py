@@ -247,14 +247,14 @@ ALIASES = {
 # Names that are not options of a run here, and where what they set goes instead.
 ELSEWHERE = {
     "num_processes": "an `accelerate launch` option; put it before `-m finetune`, e.g. "
-                     "`accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 -m finetune train ...`",
+                     "`accelerate launch --config_file $(finetune configs --path fsdp) --num_processes 2 -m finetune train ...`",
     "mixed_precision": "an `accelerate launch` option; put it before `-m finetune`, e.g. "
-                       "`accelerate launch --config_file accelerate_configs/fsdp.yaml --mixed_precision bf16 -m finetune train ...`",
+                       "`accelerate launch --config_file $(finetune configs --path fsdp) --mixed_precision bf16 -m finetune train ...`",
     "bf16": "mixed precision, an `accelerate launch` option; use `accelerate launch --mixed_precision bf16 ... -m finetune train ...`",
     "fp16": "mixed precision, an `accelerate launch` option; use `accelerate launch --mixed_precision fp16 ... -m finetune train ...`",
     "num_machines": "an `accelerate launch` option; put it before `-m finetune`",
     "gradient_checkpointing": "set by the accelerate config here; use `accelerate launch --config_file "
-                              "accelerate_configs/fsdp_activation_checkpointing.yaml -m finetune train ...`",
+                              "$(finetune configs --path fsdp_activation_checkpointing) -m finetune train ...`",
 }
 # What a fine-tune of a pretrained model starts from (the usual HF Trainer values); presets
 # trained from scratch keep the dataclass's nanoGPT-style values.

@@ -68,10 +68,10 @@ def check_fsdp_options_supported_here() -> None:
         return
     if os.environ.get("FSDP_VERSION", "2") == "1":
         raise UsageError("fsdp_version: 1 (FSDP1) needs a GPU and this machine has none; "
-                         "use accelerate_configs/fsdp.yaml (FSDP2), which runs on CPU")
+                         "launch with `--config_file $(finetune configs --path fsdp)` (FSDP2), which runs on CPU")
     if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
         raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
-                         "use accelerate_configs/fsdp.yaml")
+                         "launch with `--config_file $(finetune configs --path fsdp)`")
 
 
 def enable_fsdp_on_cpu(timeout: timedelta) -> None:
@@ -337,7 +337,7 @@ def check_wrap_policy(accelerator: Accelerator, model: torch.nn.Module) -> None:
         name, kind = containers[0]
         raise UsageError(f"this accelerate config wraps modules by size, which would make {name} (a {kind} without "
                          f"forward) an FSDP unit, and FSDP2 cannot; launch {type(model).__name__} with "
-                         "accelerate_configs/fsdp.yaml (a unit per transformer block)")
+                         "`--config_file $(finetune configs --path fsdp)` (a unit per transformer block)")
 
 
 def main_process_first(accelerator: Accelerator, action):

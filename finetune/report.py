@@ -196,8 +196,7 @@ def summary_markdown(summary: dict, run_dir: Path) -> str:
         f"- Peak memory per rank: {', '.join(mib)} MiB",
         f"- Final model: `{summary['final_model_dir']}`",
         "",
-        f"Resume or extend: `accelerate launch --config_file CONFIG -m finetune resume {run_dir} --max_steps N` "
-        "(CONFIG: the accelerate config the run was launched with, recorded under `launch:` in run_config.yaml).  ",
+        f"Extend: `finetune resume {run_dir} --max_steps N` (relaunched as run_config.yaml's `launch:` records).  ",
         f"Export a checkpoint: `finetune export {run_dir} --output DIR`.  ",
         "Curves: `loss.png`; every row: `metrics.jsonl`; all facts: `summary.json`.",
     ]

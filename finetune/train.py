@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
-                                 resolve_checkpoint, saved_config)
+                                 resolve_checkpoint, saved_config, verify_checkpoint)
 from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
                                   check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
@@ -167,6 +167,16 @@ def check_run_dir(cfg: TrainConfig) -> None:
                          "pass --overwrite, or choose another --output_dir")
 
 
+def check_resumable(cfg: TrainConfig) -> None:
+    """What a resume can check before any process starts: the run dir, the
+    checkpoint's files, and the changes asked of it."""
+    check_run_dir(cfg)
+    checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    if checkpoint is not None:
+        verify_checkpoint(checkpoint)
+        resume_changes(saved_config(checkpoint), cfg)
+
+
 # --- setup ----------------------------------------------------------------------------------------
 
 def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats) -> Run:
@@ -196,9 +206,9 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
 
     checkpoints = CheckpointManager(
         accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
-        # How the run was launched; a resume without the launcher's command line keeps its checkpoint's record.
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
-            {**cfg.to_dict(), "launch": launch_record() or saved.get("launch")}, sort_keys=False),
+            {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes)},
+            sort_keys=False),
         hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,

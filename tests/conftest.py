@@ -180,6 +180,9 @@ def readme_workdir(tmp_path_factory, env) -> Path:
                 extra += ["--mixed_precision", "no"]
             proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *extra, *words[2:]],
                                   env=env, cwd=work, capture_output=True, text=True, timeout=300)
+        elif words[:2] == ["finetune", "resume"]:  # relaunches itself: a process of its own, in the tests' env
+            proc = subprocess.run([sys.executable, "-m", "finetune", *words[1:]], env=env, cwd=work,
+                                  capture_output=True, text=True, timeout=300)
         elif words[0] == "finetune":
             with chdir(work):
                 proc = run_in_process(*words[1:])

@@ -244,10 +244,10 @@ def test_fsdp_checkpoint_without_fsdp(checkpointed_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(checkpointed_run, run_dir)
     before = snapshot(run_dir)
-    proc = run_in_process("resume", run_dir, "--max_steps", "14")  # unlaunched: one process, no FSDP
+    proc = run_in_process("resume", run_dir, "--max_steps", "14", "--no_relaunch")  # one process, no FSDP
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
-    assert "holds FSDP shards and this run is not FSDP; resume it under `accelerate launch" in line
+    assert f"holds FSDP shards and this run is not FSDP; resume it with `finetune resume {run_dir}`" in line
     assert snapshot(run_dir) == before
     remember("an FSDP checkpoint resumed without FSDP", line, tmp_path)
 
@@ -521,7 +521,12 @@ def test_sigterm_to_the_launcher_leaves_a_resumable_checkpoint(tmp_path, env, sm
     assert checkpoints[-1] == f"step_{step:06d}" and not any(p.startswith(".tmp") for p in checkpoints)
     assert not (run_dir / "final").exists()
 
-    check_ok(run_cli(["resume", str(run_dir), "--max_steps", str(step + 3)], env, mixed_precision="no"))
+    # The command it printed, run verbatim in a new shell (no launcher), continues under FSDP on 2 processes.
+    printed = re.search(r"continue with `(.+)`", stopped[0]).group(1)
+    shell_env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+    check_ok(subprocess.run(["bash", "-c", f"{printed} --max_steps {step + 3}"], env=shell_env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300))
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, step + 4))  # every step logged once
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == step + 3

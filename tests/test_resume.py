@@ -58,9 +58,15 @@ def test_checkpoint_layout(checkpointed_run):
     assert (ckpt / "scheduler.bin").is_file() and (ckpt / "run_config.yaml").is_file()
 
 
-def test_resume_continues_exactly(checkpointed_run, tmp_path, env):
+def test_resume_typed_in_a_plain_shell_continues_exactly(checkpointed_run, tmp_path, env):
     run_dir = interrupted_copy(checkpointed_run, 6, tmp_path / "resumed")
-    check_ok(run_cli(["resume", str(run_dir)], env, mixed_precision="no"))
+    proc = run_cli(["resume", str(run_dir)], env, nproc=None)  # no launcher: relaunched as run_config.yaml records
+    check_ok(proc)
+    assert ("relaunching as the run was launched: accelerate launch --config_file RECORDED_CONFIG --num_processes 2 "
+            "--mixed_precision no --main_process_port ") in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2
+    assert len(set(summary["local_params_per_rank"])) == 1 and sum(summary["local_params_per_rank"]) == summary["total_params"]
     full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
