@@ -20,8 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import (ALIASES, ELSEWHERE, FINE_TUNING_DEFAULTS, TrainConfig, canonical_key, coerce,
-                             config_fields, field_types, load_config)
+from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+                             TrainConfig, canonical_key, coerce, config_fields, field_types, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -30,6 +30,7 @@ from finetune.tasks import REGISTRY
 OPTION_GROUPS = {
     "model": ("task", "model", "trust_remote_code"),
     "data": ("dataset", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
+             "text_sample_by",
              "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
              "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),
     "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
@@ -73,9 +74,7 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
 
 
 # The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
-EVALUATE_DATA_OPTIONS = ("dataset", "dataset_config", "data_format", "text_column", "chat_template", "train_on_prompt", "packing",
-                         "long_examples", "block_size", "max_eval_samples", "image_column", "label_column",
-                         "validation_split", "seed")
+EVALUATE_DATA_OPTIONS = tuple(name for name in DATA_OPTIONS if name not in ("dataset_split", "eval_split"))
 
 
 def _checked(convert, accepts, expected: str, rule: str):
@@ -195,22 +194,28 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(func=cmd_generate, subparser=generate)
 
-    evaluate = sub.add_parser("evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir")
+    evaluate = sub.add_parser(
+        "evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir",
+        description="Without --dataset, a model a finetune run wrote is scored on the data that run evaluated on "
+                    "(its options are recorded next to the model, in finetune_run.json); with --dataset, on a whole "
+                    "split of that data. Data options not given are the run's, else train's defaults; the block "
+                    "size is the run's, else the model's context length capped at 1024.")
     evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
     defaults = TrainConfig()
     for name in EVALUATE_DATA_OPTIONS:
         checked = {"block_size": positive_int, "validation_split": fraction, "max_eval_samples": non_negative_int}
         kind = field_types()[name]
         kind = (lambda text: coerce(name, text)) if kind is bool else checked.get(name, kind)
-        evaluate.add_argument(f"--{name}", type=kind, default=getattr(defaults, name),
+        evaluate.add_argument(f"--{name}", type=kind, default=None,
                               choices=[f for f in config_fields() if f.name == name][0].metadata.get("choices"),
-                              help=f"as for train (default: {getattr(defaults, name)!r})")
+                              help=f"as for train (default: the run's, else {getattr(defaults, name)!r})")
     evaluate.add_argument("--dataset_split", default="",
                           help="the split to score, all of it (default: the data's validation or test split, else all "
                                "of a plain file)")
     evaluate.add_argument("--held_out", action="store_true",
                           help="score the part of the training split a run with these --validation_split and --seed "
-                               "held out, instead of a whole split (default: False)")
+                               "held out, instead of a whole split (default: True without --dataset for a model a "
+                               "run recorded, else False)")
     evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
@@ -273,14 +278,21 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
+    try:
+        recorded = yaml.safe_load(run_config.read_text())
+    except yaml.YAMLError:
+        recorded = None  # load_config below names the problem
+    recorded = recorded if isinstance(recorded, dict) else {}
     overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
+    if "text_sample_by" not in recorded:  # a run from before the option: its data stays as it was made
+        overrides.setdefault("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS)
     cfg = load_config(run_config, overrides)
     if under_a_launcher():
         if args.num_processes is not None:
             raise UsageError("under a launcher, the number of processes is the launcher's: give --num_processes to "
                              "accelerate launch, before -m finetune")
         return _run(cfg)
-    launch = yaml.safe_load(run_config.read_text()).get("launch") or {}
+    launch = recorded.get("launch") or {}
     if args.no_relaunch or "launcher_options" not in launch:
         return _run(cfg)
     check_resumable(cfg)  # bad input fails here, in seconds, before any process starts
@@ -288,32 +300,43 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.export import export_checkpoint
 
+    threads = use_cpu_threads()
     out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
                             max_shard_size=args.max_shard_size)
     print(f"exported {args.source} -> {out}")
+    print(cpu_threads_line(threads), file=sys.stderr)
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import generate_text
 
     if not args.prompt.strip():
         raise UsageError("--prompt is empty; give it the text to continue")
+    threads = use_cpu_threads()
     print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, chat=args.chat,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+    print(cpu_threads_line(threads), file=sys.stderr)
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import evaluate_model_dir
 
-    options = {name: getattr(args, name) for name in (*EVALUATE_DATA_OPTIONS, "per_device_batch_size", "dataset_split")}
-    result = evaluate_model_dir(args.model_dir, options, held_out=args.held_out)
+    threads = use_cpu_threads()
+    given = {name: getattr(args, name) for name in EVALUATE_DATA_OPTIONS if getattr(args, name) is not None}
+    result, notes = evaluate_model_dir(args.model_dir, given, args.dataset_split, args.held_out,
+                                       args.per_device_batch_size)
     counted = f", {result['num_tokens']:,} tokens" if "num_tokens" in result else ""
-    print(f"scored {result['documents']:,} documents ({result['rows']:,} rows{counted}) in {result['batches']:,} batches")
+    print(f"scored {result['documents']:,} documents ({result['rows']:,} rows{counted}) in {result['batches']:,} "
+          f"batches; {notes}")
     print(json.dumps(result))
+    print(cpu_threads_line(threads), file=sys.stderr)
     return 0
 
 

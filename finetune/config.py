@@ -30,6 +30,8 @@ REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
 DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
+TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
+TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
 
 # Options a resume may change, and what the change does. Every other option is
@@ -52,6 +54,22 @@ RESUME_MAY_CHANGE = {
 }
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
 
+# The options that shape a run's data: recorded with its model (model_dir.py)
+# so that `finetune evaluate` rebuilds the data the run evaluated on.
+DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
+                "text_sample_by", "chat_template", "train_on_prompt", "packing", "long_examples", "block_size",
+                "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
+
+
+def data_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The record of a run's data: its DATA_OPTIONS, and how many held-out rows
+    its evaluations scored (0 = all): each rank takes every world_size-th
+    batch, up to max_eval_batches of them."""
+    batch = config.get("per_device_eval_batch_size") or config.get("per_device_batch_size", 0)
+    return {**{name: config[name] for name in DATA_OPTIONS if name in config},
+            "text_sample_by": config.get("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS),
+            "max_eval_rows": config.get("max_eval_batches", 0) * world_size * batch}
+
 
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -71,6 +89,9 @@ class TrainConfig:
                            "validation_split of the training split")
     preprocessing_num_workers: int = _opt(0, "processes that tokenize the data (datasets' num_proc; 0 = this one)")
     text_column: str = _opt("text", "column holding the text in .jsonl/.parquet/Hub datasets")
+    text_sample_by: str = _opt("paragraph", ".txt files: what one document is (an end-of-text token follows each): "
+                               "a paragraph (text between blank lines, its line breaks kept), a whole file, or each "
+                               "line (line breaks dropped)", choices=TEXT_SAMPLE_BY)
     image_column: str = _opt("image", "column holding the images (image-classification)")
     label_column: str = _opt("label", "column holding the class ids (image-classification)")
     data_format: str = _opt("auto", "text (blocks of concatenated text), chat (a messages column), instruction "

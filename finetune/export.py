@@ -17,7 +17,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
-from finetune.checkpoint import MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_checkpoints
+from finetune.checkpoint import (MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_checkpoints, read_progress,
+                                 saved_config)
+from finetune.config import data_options
 from finetune.errors import UsageError
 from finetune.model_dir import check_output_dir, write_model_dir
 from finetune.tasks import task_for_config
@@ -71,6 +73,12 @@ def check_not_inside(output: Path, source: Path) -> None:
                          f"{source}; choose an --output outside it")
 
 
+def run_data(checkpoint_dir: Path) -> dict | None:
+    """The data record (config.data_options) of the run that wrote a checkpoint; None for another tool's."""
+    saved = saved_config(checkpoint_dir)
+    return data_options(saved, read_progress(checkpoint_dir).world_size) if saved else None
+
+
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
                       model: str | None = None, max_shard_size: str | int = "2GB") -> Path:
     output = Path(output)
@@ -100,7 +108,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     state_dict = load_full_state_dict(weights)
     try:
         return write_model_dir(state_dict, config, output, tokenizer=tokenizer, generation_config=generation_config,
-                               dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+                               run_data=run_data(checkpoint_dir), dtype=dtype,
+                               max_shard_size=max_shard_size, overwrite=overwrite)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UsageError(f"could not write {output} ({reason}); it was left as it was: free space or choose another "

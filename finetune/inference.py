@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
-from finetune.config import TrainConfig
+from finetune.config import DATA_OPTIONS, TrainConfig
 from finetune.errors import UsageError
+from finetune.model_dir import read_run_data
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.tasks import task_for_config
 
@@ -58,21 +59,48 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: b
     return tokenizer.decode(out[0, ids.size(1):] if chat else out[0], skip_special_tokens=True).strip()
 
 
-def evaluate_model_dir(model_dir: str, options: dict, held_out: bool = False) -> dict:
-    """The task's metric on exactly the split `options["dataset_split"]` names,
-    else the data's own validation or test split, else all of it. With
-    `held_out`, the part training held out instead (the same validation_split
-    and seed: the same samples). `options` are the train options that shape the
-    data; the result also says how much was scored."""
+# Recorded data options that only make sense for the run's own dataset.
+OF_THE_RUNS_DATA = ("dataset_config", "dataset_split", "eval_split", "text_column", "image_column", "label_column",
+                    "max_eval_samples")
+
+
+def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_out: bool = False,
+                       batch_size: int = 8) -> tuple[dict, str]:
+    """The task's metric, and a note of what was scored. Data options not
+    `given` are those of the run that wrote the model (recorded next to it),
+    else train's defaults. Without a `dataset` given, a recorded model is
+    scored on what its run evaluated on (its held-out part); otherwise on
+    exactly `score_split`, else the data's own validation or test split, else
+    all of it, or with `held_out` on the part a run with these options held out."""
     entry, model, tokenizer = load_model_dir(model_dir)
-    options = dict(options)
-    if not held_out:  # score the split itself: nothing is split off it
-        options.update(validation_split=0.0, eval_split=options.get("dataset_split", ""))
-    cfg = TrainConfig(task=entry.name, **options)
+    recorded = read_run_data(model_dir)
+    if "dataset" in given:  # other data: keep only the run's options that do not name its data's parts
+        recorded = {k: v for k, v in recorded.items() if k not in OF_THE_RUNS_DATA}
+    options = {**recorded, **given}
+    what = "the run's held-out data" if "dataset" in recorded and "dataset" not in given and not score_split else ""
+    if not (held_out or what):  # score the split itself: nothing is split off it
+        options.update(validation_split=0.0, dataset_split="", eval_split=score_split)
+    block_size = ""
+    if entry.generative:
+        if "block_size" in given:
+            block_size = f"block size {options['block_size']}"
+        elif "block_size" in recorded:
+            block_size = f"block size {options['block_size']} (the run's)"
+        else:
+            context = getattr(model.config, "max_position_embeddings", None) or 1024
+            options["block_size"] = min(context, 1024)
+            block_size = f"block size {options['block_size']} (the model's context length, at most 1024)"
+    cfg = TrainConfig(task=entry.name, per_device_batch_size=batch_size,
+                      **{k: v for k, v in options.items() if k in DATA_OPTIONS})
     task = entry.load_class()(cfg)
     accelerator = Accelerator()
     scored = task.held_out(model, tokenizer)
-    loader = DataLoader(scored.rows, batch_size=cfg.per_device_batch_size, collate_fn=scored.collate)
+    rows = scored.rows
+    if what and recorded.get("max_eval_rows"):  # the run's evaluations scored only the first rows
+        rows = Subset(rows, range(min(recorded["max_eval_rows"], len(rows))))
+        what += f" (the first {len(rows):,} rows, as its evaluations scored)"
+    loader = DataLoader(rows, batch_size=cfg.per_device_batch_size, collate_fn=scored.collate)
     model, loader = accelerator.prepare(model, loader)
-    return {**task.evaluate(model, loader, accelerator), "documents": scored.documents, "rows": len(scored.rows),
-            "batches": len(loader)}
+    result = {**task.evaluate(model, loader, accelerator), "documents": scored.documents, "rows": len(rows),
+              "batches": len(loader)}
+    return result, "; ".join(note for note in (what or f"--dataset {cfg.dataset}", block_size) if note)

@@ -80,9 +80,22 @@ def write_model_files(target: Path, config: PretrainedConfig, tokenizer: PreTrai
         tokenizer.save_pretrained(target)
 
 
+# The data options of the run that trained the model (config.DATA_OPTIONS), next to its weights.
+RUN_DATA_FILE = "finetune_run.json"
+
+
+def read_run_data(model_dir: str | Path) -> dict:
+    """The data options recorded with a model ({} for a model from elsewhere)."""
+    try:
+        recorded = json.loads((Path(model_dir) / RUN_DATA_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfig, out_dir: str | Path, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
-                    generation_config: GenerationConfig | None = None,
+                    generation_config: GenerationConfig | None = None, run_data: dict | None = None,
                     dtype: str = "float32", max_shard_size: str | int = "2GB", overwrite: bool = False) -> Path:
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
@@ -117,6 +130,8 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
         config = config.__class__.from_dict(config.to_dict())
         config.dtype = dtype
         write_model_files(tmp, config, tokenizer, generation_config)
+        if run_data:
+            (tmp / RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

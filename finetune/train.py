@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
                                  resolve_checkpoint, saved_config, verify_checkpoint)
-from finetune.config import TrainConfig, defaults_note, resume_changes
+from finetune.config import TrainConfig, data_options, defaults_note, resume_changes
+from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
                                   check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
                                   peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
@@ -75,6 +76,7 @@ class Run:
     state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
     train_seconds: float = 0.0
     plain_logs: bool = False                                      # a line per logged step instead of a bar
+    cpu_threads: int = 1                                          # torch's threads in each process
     bar: tqdm = field(default_factory=lambda: tqdm(disable=True))  # fit() shows the real one
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(0, Path(), 0))
 
@@ -180,6 +182,7 @@ def check_resumable(cfg: TrainConfig) -> None:
 # --- setup ----------------------------------------------------------------------------------------
 
 def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats) -> Run:
+    cpu_threads, _ = use_cpu_threads()
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
     run_dir = Path(cfg.output_dir)
@@ -216,7 +219,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
               shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model),
-              plain_logs=plain_logs(cfg.log_format))
+              plain_logs=plain_logs(cfg.log_format), cpu_threads=cpu_threads)
     measure_state_after_first_step(run)
     if resume_from:
         resume(run, resume_from, new_length)
@@ -286,7 +289,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
                   f"{run.shards.total_params:,} parameters")
     else:
         layout = f"1 process, {run.shards.total_params:,} parameters (no sharding)"
-    acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps")
+    acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -451,7 +454,7 @@ def write_final_model(run: Run) -> Path:
     def write() -> None:
         if acc.is_main_process:
             write_model_dir(state_dict, acc.unwrap_model(run.model).config, final_dir, tokenizer=run.data.tokenizer,
-                            overwrite=True)
+                            run_data=data_options(run.cfg.to_dict(), acc.num_processes), overwrite=True)
     try:
         on_every_rank(acc, write)
     except WriteFailed as e:

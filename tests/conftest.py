@@ -43,7 +43,7 @@ def env(cache_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory, env) -> Path:
-    """About 120 kB of the built-in corpus as a .txt file: real text, quick to tokenize."""
+    """About 120 kB of the built-in corpus as a .txt file, a paragraph per document: real text, quick to tokenize."""
     from finetune.data.builtin import build_stdlib_corpus
 
     os.environ["FINETUNE_CACHE"] = env["FINETUNE_CACHE"]
@@ -55,7 +55,7 @@ def small_corpus(tmp_path_factory, env) -> Path:
         size += len(doc)
         if size > 120_000:
             break
-    path.write_text("\n".join(text) + "\n")
+    path.write_text("\n\n".join(text) + "\n")  # a paragraph per document
     return path
 
 

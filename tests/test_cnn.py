@@ -95,7 +95,7 @@ def test_resume_at_an_epoch_boundary_matches_the_uninterrupted_run(cnn_run, tmp_
 def test_export_then_evaluate_gives_the_training_accuracy(cnn_run, tmp_path):
     out = tmp_path / "exported"
     assert run_in_process("export", cnn_run, "--output", out).returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "finetune_run.json", "model.safetensors"]
     assert AutoConfig.from_pretrained(out).id2label[7] == "7"  # class names from the data set
     final = load_file(str(cnn_run / "final" / "model.safetensors"))
     exported = load_file(str(out / "model.safetensors"))

@@ -284,7 +284,7 @@ OTHER_COMMANDS = {
 
 
 def _three_documents(tmp: Path) -> Path:
-    (tmp / "three.txt").write_text("One document.\nAnother one.\nA third.\n")
+    (tmp / "three.txt").write_text("One document.\n\nAnother one.\n\nA third.\n")
     return tmp / "three.txt"
 
 

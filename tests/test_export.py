@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,19 +94,35 @@ def test_fine_tuning_from_an_export_starts_at_its_loss(checkpointed_run, tmp_pat
     assert len(train_rows(tmp_path / "second")) == 2
 
 
-def test_generate_and_evaluate_use_the_export(exported, env, small_corpus):
+def test_generate_and_evaluate_use_the_export(exported, env, small_corpus, checkpointed_run, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     gen = finetune("generate", exported, "--prompt", "Return the", "--max_new_tokens", "5", env=env)
     check_ok(gen)
     assert gen.stdout.startswith("Return the")
+    cores = len(os.sched_getaffinity(0))
+    assert f"used {cores} CPU thread(s) ({cores} cores / 1 process(es) here" in gen.stderr
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "used 1 CPU thread(s) (OMP_NUM_THREADS)" in finetune("generate", exported, "--prompt", "The").stderr
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(cores)  # this process runs the tests that follow
+
+    # With no options: the data, block size and rows the run's last evaluation scored (recorded with the model).
+    plain = finetune("evaluate", checkpointed_run / "final")
+    check_ok(plain)
+    assert "the run's held-out data (the first 8 rows, as its evaluations scored); block size 64 (the run's)" in plain.stdout
+    last_eval = eval_rows(checkpointed_run)[-1]
+    assert last_eval["step"] == 12
+    assert json.loads(plain.stdout.strip().splitlines()[-1])["perplexity"] == pytest.approx(last_eval["perplexity"],
+                                                                                             rel=1e-5)
     ev = finetune("evaluate", exported, "--dataset", small_corpus, "--block_size", "64", env=env)
     check_ok(ev)
     result = json.loads(ev.stdout.strip().splitlines()[-1])
 
-    # Independently: every line a document ending in the end-of-text token, the
+    # Independently: every paragraph a document ending in the end-of-text token, the
     # stream cut into 64-token blocks, each block scored by the model's own loss.
     tokenizer = AutoTokenizer.from_pretrained(exported)
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    lines = [line for line in small_corpus.read_text().splitlines() if line.strip()]
+    lines = [line.strip("\n") for line in small_corpus.read_text().split("\n\n") if line.strip()]
     stream = [t for line in lines for t in tokenizer(line)["input_ids"] + [tokenizer.eos_token_id]]
     blocks = torch.tensor(stream[: len(stream) // 64 * 64]).view(-1, 64)
     with torch.no_grad():

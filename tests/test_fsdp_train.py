@@ -163,7 +163,7 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tmp_path, env, small_cor
     # first step sees every block, so its loss does not depend on the order.
     block, n_blocks = 32, 8
     lines, stream = [], []
-    for line in small_corpus.read_text().splitlines():
+    for line in small_corpus.read_text().split("\n\n"):  # a paragraph per document
         ids = tokenizer(line)["input_ids"] + [tokenizer.eos_token_id]
         if len(stream) + len(ids) >= (n_blocks + 1) * block:
             continue
@@ -174,8 +174,8 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tmp_path, env, small_cor
     assert n_blocks * block <= len(stream) < (n_blocks + 1) * block
     data = tmp_path / "data"
     data.mkdir()
-    (data / "train.txt").write_text("\n".join(lines) + "\n")
-    (data / "validation.txt").write_text("\n".join(small_corpus.read_text().splitlines()[-40:]) + "\n")
+    (data / "train.txt").write_text("\n\n".join(lines) + "\n")
+    (data / "validation.txt").write_text("\n\n".join(small_corpus.read_text().split("\n\n")[-40:]))
 
     blocks = torch.tensor(stream[: n_blocks * block]).view(n_blocks, block)
     with torch.no_grad():

@@ -86,6 +86,8 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
                     str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no")
     check_ok(proc)
     assert f"checkpoint written by 2 rank(s), resuming on {world_size}" in proc.stdout
+    # Not the launcher's one thread per worker: the cores shared by the processes on this machine.
+    assert f"; {max(1, len(os.sched_getaffinity(0)) // world_size)} CPU thread(s) per process" in proc.stdout
     # Only the rank that had no saved RNG stream says so, prefixed with its rank.
     rng_warnings = [line for line in proc.stderr.splitlines() if "no RNG state for this rank" in line]
     assert [w.split("]")[0] for w in rng_warnings] == (["[rank 2"] if world_size == 3 else []), rng_warnings

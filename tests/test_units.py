@@ -206,6 +206,31 @@ def test_blocks_are_exact_with_end_of_text_between_documents():
     assert all(len(ids) == 16 for ids in blocks["train"]["input_ids"])
 
 
+def test_a_wrapped_txt_file_is_a_document_per_paragraph_with_its_line_breaks(tmp_path):
+    import textwrap
+
+    words = [f"word{i}" for i in range(400)]
+    paragraphs = [textwrap.fill(" ".join(words[i:i + 45]), 72) for i in range(0, 360, 45)]
+    assert all(p.count("\n") >= 3 for p in paragraphs)  # wrapped at 72 columns
+    (tmp_path / "wrapped.txt").write_text("\n\n".join(paragraphs) + "\n\n\n")
+    tokenizer = train_bpe_tokenizer(paragraphs * 3, vocab_size=400)
+    eos = tokenizer.eos_token_id
+
+    def stream(sample_by: str) -> list[int]:
+        raw = load_raw_text(str(tmp_path / "wrapped.txt"), "text", 0.0, 0, sample_by=sample_by)
+        return [t for block in tokenize_and_group(raw, tokenizer, block_size=8)["train"]["input_ids"]
+                for t in block.tolist()]
+
+    by_paragraph = [t for p in paragraphs for t in tokenizer(p)["input_ids"] + [eos]]
+    assert stream("paragraph") == by_paragraph[:len(by_paragraph) // 8 * 8]
+    assert stream("paragraph").count(eos) == len(paragraphs) - (len(by_paragraph) % 8 > 0)
+    lines = [line for p in paragraphs for line in p.splitlines()]
+    by_line = [t for line in lines for t in tokenizer(line)["input_ids"] + [eos]]  # the old layout
+    assert stream("line") == by_line[:len(by_line) // 8 * 8]
+    whole = tokenizer("\n\n".join(paragraphs))["input_ids"] + [eos]
+    assert stream("document") == whole[:len(whole) // 8 * 8]
+
+
 def test_text_shorter_than_one_block_is_a_clear_error():
     tokenizer = train_bpe_tokenizer(["a few words of text"] * 5, vocab_size=280)
     raw = DatasetDict(train=Dataset.from_dict({"text": ["a few words"]}), validation=Dataset.from_dict({"text": ["a few"]}))

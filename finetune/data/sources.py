@@ -21,11 +21,12 @@ HELD_OUT_SPLITS = ("validation", "test")
 
 
 def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders: dict[str, str],
-                accepted: str, config: str = "") -> DatasetDict:
+                accepted: str, config: str = "", builder_options: dict[str, dict] | None = None) -> DatasetDict:
     """`file_builders` maps the file suffixes a task reads to `datasets`
-    builders; `accepted` names them for error messages; `config` names one of
-    a dataset's configurations (a Hub dataset's, or those a local dir's
-    README.md dataset card declares)."""
+    builders, and `builder_options` a builder to its options for local files
+    (the text builder's `sample_by`); `accepted` names them for error messages;
+    `config` names one of a dataset's configurations (a Hub dataset's, or those
+    a local dir's README.md dataset card declares)."""
     if dataset == "builtin":
         return builtin()
     path = Path(dataset)
@@ -35,7 +36,7 @@ def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders:
         if config:
             raise UsageError(f"--dataset {dataset} has no configurations (no README.md dataset card declares any); "
                              "drop --dataset_config")
-        return _load_local(path, file_builders, accepted)
+        return _load_local(path, file_builders, accepted, builder_options or {})
     if dataset.startswith((".", "/", "~")) or path.suffix.lower() in file_builders:
         raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
     return _load(dataset, config, f"Hub dataset {dataset!r}")
@@ -52,7 +53,7 @@ def _load(dataset: str, config: str, what: str) -> DatasetDict:
         raise UsageError(f"could not load {what} ({type(e).__name__}: {reason}); {fix}") from None
 
 
-def _load_local(path: Path, file_builders: dict[str, str], accepted: str) -> DatasetDict:
+def _load_local(path: Path, file_builders: dict[str, str], accepted: str, builder_options: dict[str, dict]) -> DatasetDict:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*")
                                                  if p.is_file() and p.suffix.lower() in file_builders)
     if path.is_file() and path.suffix.lower() not in file_builders:
@@ -67,9 +68,10 @@ def _load_local(path: Path, file_builders: dict[str, str], accepted: str) -> Dat
     builder = builders.pop()
     try:
         # A dir keeps the splits its file names give (train*, validation*, test*: datasets' own rules).
+        options = builder_options.get(builder, {})
         if path.is_dir():
-            return load_dataset(builder, data_dir=str(path))
-        return load_dataset(builder, data_files=[str(path)])
+            return load_dataset(builder, data_dir=str(path), **options)
+        return load_dataset(builder, data_files=[str(path)], **options)
     except Exception as e:  # datasets raises many types for unreadable files
         raise UsageError(f"could not read --dataset {path} as {builder} ({type(e).__name__}); "
                          "check the file format") from None

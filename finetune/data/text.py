@@ -28,12 +28,14 @@ def _builtin_chat() -> DatasetDict:
 
 
 def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float, seed: int, *,
-                  config: str = "", split: str = "", eval_split: str = "") -> tuple[DatasetDict, str]:
+                  config: str = "", split: str = "", eval_split: str = "",
+                  sample_by: str = "paragraph") -> tuple[DatasetDict, str]:
     """`train` and `validation` splits, and the data format they are in. The
     embedded default is plain text, or questions and answers for SFT formats.
-    `config`, `split` and `eval_split`: see sources.py."""
+    `config`, `split` and `eval_split`: see sources.py; `sample_by`: what one
+    document of a .txt file is (see `_txt_options`)."""
     builtin = _builtin_chat if data_format in SFT_FORMATS else _builtin_text
-    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config)
+    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config, _txt_options(sample_by))
     data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset)
     if data_format == "text":
         return _text_splits(raw, dataset, text_column, validation_split, seed, split, eval_split), data_format
@@ -45,10 +47,19 @@ def load_raw_data(dataset: str, data_format: str, text_column: str, validation_s
 
 
 def load_raw_text(dataset: str, text_column: str, validation_split: float, seed: int, *, config: str = "",
-                  split: str = "", eval_split: str = "") -> DatasetDict:
+                  split: str = "", eval_split: str = "", sample_by: str = "paragraph") -> DatasetDict:
     """A DatasetDict with `train` and `validation` splits and a single `text` column."""
-    raw = load_source(dataset, _builtin_text, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config)
+    raw = load_source(dataset, _builtin_text, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config,
+                      _txt_options(sample_by))
     return _text_splits(raw, dataset, text_column, validation_split, seed, split, eval_split)
+
+
+def _txt_options(sample_by: str) -> dict[str, dict]:
+    """A .txt file is prose wrapped at some width, so by default a document is
+    a paragraph: the text between blank lines, its line breaks kept (as
+    `datasets`' text builder samples by paragraph). `line` makes every line a
+    document, without its line break; `document` makes the whole file one."""
+    return {"text": {"sample_by": sample_by, "keep_linebreaks": sample_by != "line"}}
 
 
 def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_split: float, seed: int,
@@ -59,6 +70,11 @@ def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_sp
                          "pass --text_column with the right name")
     raw = DatasetDict({name: split.select_columns([text_column]).rename_column(text_column, "text")
                        if text_column != "text" else split.select_columns(["text"]) for name, split in raw.items()})
+    if train_split(raw, split).info.builder_name == "text":
+        # A .txt paragraph keeps the blank lines beyond the one that ended the
+        # one before it at its edges; no document keeps them.
+        raw = raw.map(lambda batch: {"text": [t.strip("\n") for t in batch["text"]]}, batched=True,
+                      desc="trimming blank lines")
     raw = raw.filter(lambda batch: [bool(t and t.strip()) for t in batch["text"]], batched=True)
     if len(train_split(raw, split)) == 0:
         raise UsageError(f"--dataset {dataset} holds no text; give it some non-empty documents")

@@ -111,7 +111,8 @@ class CausalLM(Task):
     def _raw_data(self) -> tuple[DatasetDict, str]:
         cfg = self.cfg
         raw, data_format = load_raw_data(cfg.dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
-                                         config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split)
+                                         config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
+                                         sample_by=cfg.text_sample_by)
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
