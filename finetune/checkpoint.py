@@ -29,11 +29,11 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from safetensors import SafetensorError, safe_open
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
-from finetune.model_dir import write_model_files
+from finetune.model_dir import tied_duplicates, write_model_files
 from finetune.report import say
 from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
 
@@ -181,22 +181,46 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
                          "accelerate config it was trained with, or start from its export with --model")
 
 
+def store_tied_weights_once(model: torch.nn.Module) -> None:
+    """A tied parameter (an output layer sharing the input embedding) is in
+    the state dict under each of its names, and DCP writes every one: the
+    embedding twice (+21% of SmolLM2-135M's checkpoint). Saved under its first
+    name only; a load puts the loaded tensor back under the other names (it is
+    one parameter: loading it once restores all of them, and the tie)."""
+    duplicates = tied_duplicates(model)
+    if not duplicates:
+        return
+
+    def drop_duplicates(module, state_dict, prefix, local_metadata):
+        for name in duplicates:
+            state_dict.pop(prefix + name, None)
+
+    def restore_duplicates(module, state_dict, prefix, *args):
+        for name, first in duplicates.items():
+            if prefix + first in state_dict:
+                state_dict.setdefault(prefix + name, state_dict[prefix + first])
+
+    model.register_state_dict_post_hook(drop_duplicates)
+    model.register_load_state_dict_pre_hook(restore_duplicates)
+
+
 class CheckpointManager:
     """Saves every `every` steps, after every `every_epochs` epochs, and at the
     end; keeps the newest `keep_last`. Each checkpoint also holds the run config
     and, under `model_config/`, what an offline export needs besides the
     weights (HF config, generation config, tokenizer)."""
 
-    def __init__(self, accelerator: Accelerator, run_dir: str | Path, *, every: int, every_epochs: int,
-                 keep_last: int, config_yaml: str, hf_config: PretrainedConfig,
-                 tokenizer: PreTrainedTokenizerBase | None):
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
+                 every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None):
         self.accelerator = accelerator
+        unwrapped = accelerator.unwrap_model(model)
+        store_tied_weights_once(unwrapped)
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.every_epochs = every_epochs
         self.keep_last = keep_last
         self.config_yaml = config_yaml
-        self.hf_config = hf_config
+        self.hf_config = unwrapped.config
         self.tokenizer = tokenizer
         self.last_saved_step: int | None = None  # the state of this step is on disk already
 

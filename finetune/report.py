@@ -150,6 +150,12 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
+def read_evaluations(path: Path) -> list[tuple[int, dict]]:
+    """(step, result) of the evaluations metrics.jsonl holds."""
+    return [(row["step"], {k: v for k, v in row.items() if k not in ("step", "epoch")})
+            for row in read_metrics(path) if "eval_loss" in row]
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []

@@ -38,15 +38,16 @@ from finetune.config import TrainConfig, data_options, defaults_note, resume_cha
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
                                   check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
-                                  peak_memory_bytes, persistent_state_bytes, slow_bf16_warning, verify_sharded)
+                                  peak_memory_bytes, persistent_state_bytes, resident_bytes, slow_bf16_warning,
+                                  verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
-from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars, say,
-                             step_line, truncate_metrics, write_summary)
+from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
+                             read_evaluations, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
 from finetune.tasks.base import Task, TaskData, build_task
@@ -108,6 +109,7 @@ class StepResult:
     lr: float           # the learning rate the step used
     seconds: float      # the step's data loading and compute
     epoch_end: bool     # the step used the epoch's last micro-batch
+    resident_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's RSS after its backward
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -208,11 +210,10 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
 
     checkpoints = CheckpointManager(
-        accelerator, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
+        accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes)},
-            sort_keys=False),
-        hf_config=accelerator.unwrap_model(model).config, tokenizer=data.tokenizer)
+            sort_keys=False), tokenizer=data.tokenizer)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
@@ -260,6 +261,7 @@ def resume(run: Run, checkpoint: Path, new_length: bool) -> None:
     run.progress = run.checkpoints.load(checkpoint, run.model, run.cfg.seed)
     if run.accelerator.is_main_process:  # rows logged after that checkpoint belong to the lost part of the run
         truncate_metrics(run.run_dir / "metrics.jsonl", run.progress.step)
+        run.evals = read_evaluations(run.run_dir / "metrics.jsonl")  # the summary keeps the run's first
     run.accelerator.print(f"resumed from {checkpoint} at step {run.progress.step}")
     steps_left = run.progress.step < run.total_steps
     if new_length and steps_left and (change := run.schedule.follow_new_length(run.progress.step)):
@@ -340,8 +342,12 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
             acc.backward(terms.total / nominal)
             totals += torch.stack([terms.total.detach(), terms.count, terms.units]).to(totals)
             if acc.sync_gradients:
-                loss_sum, count, units, stop_votes = acc.reduce(
-                    torch.cat([totals, torch.tensor([run.stop.flag], device=acc.device)]), reduction="sum").tolist()
+                # One collective per step: the sums, the stop vote, and each rank's resident memory in its own slot.
+                resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
+                resident[acc.process_index] = resident_bytes()
+                loss_sum, count, units, stop_votes, *resident = acc.reduce(torch.cat(
+                    [totals.double(), torch.tensor([run.stop.flag], dtype=torch.float64, device=acc.device),
+                     resident]), reduction="sum").tolist()
                 # Accelerate divided every micro-batch by the accumulation steps and
                 # the gradient reduction averaged over the ranks: undo both, and divide
                 # by the true count instead of the nominal one.
@@ -354,7 +360,8 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
         run.progress.samples_in_epoch += run.global_batch
         if acc.sync_gradients:
             return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
-                              epoch_end=acc.gradient_state.end_of_dataloader)
+                              epoch_end=acc.gradient_state.end_of_dataloader,
+                              resident_bytes_per_rank=[int(b) for b in resident])
     return None
 
 
@@ -379,7 +386,9 @@ def after_step(run: Run, result: StepResult) -> None:
     throughput = result.units / result.seconds
     if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
         row = {"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
-               "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput}
+               "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput,
+               # a scalar per rank, as every tracker plots them
+               **{f"rss_bytes_rank{rank}": b for rank, b in enumerate(result.resident_bytes_per_rank)}}
         run.log(row)
         if run.plain_logs:
             say(run.accelerator, step_line(row, run.total_steps, run.task.throughput_key))

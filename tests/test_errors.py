@@ -210,7 +210,7 @@ def test_accelerate_config_this_machine_cannot_run(config, env_vars, expected, t
     proc = run_in_process("train", "--output_dir", tmp_path / "out")
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
-    assert expected in line and "accelerate_configs/fsdp.yaml" in line
+    assert expected in line and "--config_file $(finetune configs --path fsdp)" in line
     assert not (tmp_path / "out").exists()
     remember(f"{config} on a machine without GPUs", line, tmp_path)
 
@@ -598,5 +598,5 @@ def test_size_based_wrap_of_a_transformer_is_one_line(tmp_path, env, small_corpu
     output = proc.stdout + proc.stderr
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and "transformer.h (a ModuleList without forward)" in ours[0], output[-3000:]
-    assert "accelerate_configs/fsdp.yaml" in ours[0] and "[rank" not in output
+    assert "--config_file $(finetune configs --path fsdp)" in ours[0] and "[rank" not in output
     assert not (tmp_path / "run").exists()

@@ -14,17 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, train_rows
+from conftest import CONFIGS, REPO, check_ok, common_args, eval_rows, free_port, run_cli, train_rows
 
 pytestmark = pytest.mark.slow
 
 
-def interrupted_copy(source: Path, step: int, target: Path) -> Path:
-    """What a run stopped right after checkpointing at `step` leaves behind."""
+def interrupted_copy(source: Path, step: int, target: Path, metrics: bool = False) -> Path:
+    """What a run stopped right after checkpointing at `step` leaves behind
+    (with `metrics`, its metrics.jsonl too, rows after `step` included)."""
     (target / "checkpoints").mkdir(parents=True)
     shutil.copy(source / "run_config.yaml", target)
+    if metrics:
+        shutil.copy(source / "metrics.jsonl", target)
     shutil.copytree(source / "tokenizer", target / "tokenizer")
     name = f"step_{step:06d}"
     shutil.copytree(source / "checkpoints" / name, target / "checkpoints" / name)
@@ -49,6 +53,9 @@ def flatten(tree, prefix="") -> dict:
 
 def test_checkpoint_layout(checkpointed_run):
     ckpt = checkpointed_run / "checkpoints" / "step_000006"
+    # tiny-gpt2's output layer is its input embedding: stored once.
+    stored = dcp.FileSystemReader(str(ckpt / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+    assert "model.transformer.wte.weight" in stored and not any("lm_head" in name for name in stored)
     progress = json.loads((ckpt / "training_progress.json").read_text())
     assert progress["step"] == 6 and progress["epoch"] == 0 and progress["world_size"] == 2
     assert progress["samples_in_epoch"] == 6 * 8
@@ -59,18 +66,23 @@ def test_checkpoint_layout(checkpointed_run):
 
 
 def test_resume_typed_in_a_plain_shell_continues_exactly(checkpointed_run, tmp_path, env):
-    run_dir = interrupted_copy(checkpointed_run, 6, tmp_path / "resumed")
+    run_dir = interrupted_copy(checkpointed_run, 6, tmp_path / "resumed", metrics=True)
     proc = run_cli(["resume", str(run_dir)], env, nproc=None)  # no launcher: relaunched as run_config.yaml records
     check_ok(proc)
+    # The run's first evaluation (step 0, before the interruption) stays in the summary and the console line.
+    first = eval_rows(checkpointed_run)[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert first["step"] == 0 and summary["first_eval"]["perplexity"] == first["perplexity"]
+    last = summary["last_eval"]["perplexity"]
+    assert f"validation perplexity: {first['perplexity']:.4f} -> {last:.4f}" in proc.stdout
     assert ("relaunching as the run was launched: accelerate launch --config_file RECORDED_CONFIG --num_processes 2 "
             "--mixed_precision no --main_process_port ") in proc.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2
     assert len(set(summary["local_params_per_rank"])) == 1 and sum(summary["local_params_per_rank"]) == summary["total_params"]
     full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
-    assert [r["step"] for r in resumed] == list(range(7, 13))
-    for row in resumed:
+    assert [r["step"] for r in resumed] == list(range(1, 13))  # rows 7-12 logged again, once
+    for row in resumed[6:]:
         assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-6), row["step"]
         assert row["lr"] == pytest.approx(full[row["step"]]["lr"], rel=1e-12), row["step"]
 

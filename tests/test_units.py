@@ -387,3 +387,31 @@ def test_a_relaunch_exits_with_the_workers_code(tmp_path, left, launcher_code, e
     for rank, code in left.items():
         (tmp_path / f"rank{rank}").write_text(str(code))
     assert workers_exit_code(tmp_path, launcher_code) == expected
+
+
+# --- checkpoints: tied weights ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, tied", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_a_tied_parameter_is_saved_under_one_name_and_loads_back_tied(family, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from finetune.checkpoint import store_tied_weights_once
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_class(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = model_class(config)
+    trained = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    store_tied_weights_once(model)
+    saved = model.state_dict()
+    assert ("lm_head.weight" in saved) is not tied and "model.embed_tokens.weight" in saved
+    assert set(trained) - set(saved) == ({"lm_head.weight"} if tied else set())
+
+    torch.manual_seed(1)
+    fresh = model_class(config)
+    store_tied_weights_once(fresh)
+    fresh.load_state_dict(saved)  # strict: the missing name is the tied one, restored from its first name
+    assert (fresh.lm_head.weight is fresh.model.embed_tokens.weight) is tied
+    for name, tensor in fresh.named_parameters(remove_duplicate=False):
+        assert torch.equal(tensor, trained[name]), name
