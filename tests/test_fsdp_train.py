@@ -109,7 +109,8 @@ def test_final_model_equals_the_trained_state(fsdp_run, tmp_path):
     dcp_to_torch_save(fsdp_run / "checkpoints" / "step_000020" / "pytorch_model_fsdp_0", tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     reference = GPT2LMHeadModel(AutoConfig.from_pretrained(fsdp_run / "final")).eval()
-    reference.load_state_dict(full)
+    loaded = reference.load_state_dict(full, strict=False)
+    assert loaded.missing_keys == ["lm_head.weight"] and not loaded.unexpected_keys  # the tied weight, stored once
 
     ids = torch.randint(0, final.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

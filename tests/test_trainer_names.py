@@ -51,7 +51,7 @@ def test_a_run_clm_command_line_runs_as_written(tmp_path, env, text_file):
 
 
 @pytest.mark.parametrize("option, where", [("--num_processes", "accelerate launch"), ("--bf16", "--mixed_precision bf16"),
-                                           ("--gradient_checkpointing", "fsdp_activation_checkpointing.yaml")])
+                                           ("--gradient_checkpointing", "configs --path fsdp_activation_checkpointing")])
 def test_launch_options_after_the_command_say_where_they_go(option, where, tmp_path):
     proc = run_in_process("train", option, "2", "--output_dir", tmp_path / "out")
     assert proc.returncode == 2 and where in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
