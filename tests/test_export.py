@@ -191,3 +191,18 @@ def test_plain_accelerate_checkpoint_exports_with_model(checkpointed_run, export
     ours, plain_export = load_file(exported / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert ours.keys() == plain_export.keys()
     assert all(torch.equal(ours[k], plain_export[k]) for k in ours)
+
+
+def test_generate_and_export_import_no_data_or_plotting_libraries(exported, checkpointed_run, tmp_path, env):
+    """Their start-up is imports: they stay out of datasets, matplotlib, evaluate and the optional extras."""
+    script = f"""
+import sys
+from finetune.cli import main
+heavy = ("datasets", "matplotlib", "evaluate", "tensorboard", "peft", "deepspeed", "sklearn", "pandas", "wandb", "mlflow")
+for command in (["generate", {str(exported)!r}, "--prompt", "The", "--max_new_tokens", "2"],
+                ["export", {str(checkpointed_run)!r}, "--output", {str(tmp_path / "out")!r}]):
+    assert main(command) == 0, command
+    imported = [name for name in heavy if name in sys.modules]
+    assert not imported, (command[0], imported)
+"""
+    check_ok(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120))
