@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -21,7 +21,7 @@ from finetune.checkpoint import (MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_ch
                                  saved_config)
 from finetune.config import data_options
 from finetune.errors import UsageError
-from finetune.model_dir import check_output_dir, write_model_dir
+from finetune.model_dir import Weights, check_output_dir, write_model_dir
 from finetune.tasks import task_for_config
 from finetune.verify import check_dcp_dir, verify_manifest
 
@@ -46,22 +46,43 @@ def find_model_weights(path: str | Path) -> Path:
                      "pass a run dir or a checkpoints/step_NNNNNN dir")
 
 
-def load_full_state_dict(weights: Path) -> dict[str, torch.Tensor]:
-    """Merge DCP shards (any number of ranks) into one CPU state dict."""
+# safetensors' dtype names (the unsharded checkpoint layout is one safetensors file).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def checkpoint_weights(weights: Path) -> Weights:
+    """The tensors of a checkpoint's model, read a few at a time: from DCP
+    shards (any number of ranks), only the byte ranges of the tensors asked
+    for, or from a single safetensors file."""
     if weights.is_file():
-        return load_file(str(weights))
+        with safe_open(str(weights), "pt") as f:
+            specs = {name: (torch.Size(f.get_slice(name).get_shape()), SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()])
+                     for name in f.keys()}
+
+        def read_file(names: list[str]) -> dict[str, torch.Tensor]:
+            with safe_open(str(weights), "pt") as f:
+                return {name: f.get_tensor(name) for name in names}
+        return Weights(specs, read_file)
     metadata = check_dcp_dir(weights)  # read without unpickling anything but DCP's metadata
-    # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
-    merged = {fqn: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(merged, storage_reader=dcp.FileSystemReader(str(weights)), no_dist=True)
+    tensors = {fqn: meta for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
     # Accelerate saves {"model": state_dict}: every key path is ("model", name).
     paths = metadata.planner_data or {}
-    if merged and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in merged):
-        return {paths[fqn][1]: tensor for fqn, tensor in merged.items()}
-    return merged
+    nested = tensors and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in tensors)
+    fqn_of = {(paths[fqn][1] if nested else fqn): fqn for fqn in tensors}
+
+    def read_shards(names: list[str]) -> dict[str, torch.Tensor]:
+        # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
+        part = {fqn_of[name]: torch.empty(tensors[fqn_of[name]].size, dtype=tensors[fqn_of[name]].properties.dtype)
+                for name in names}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(part, storage_reader=dcp.FileSystemReader(str(weights)),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return {name: part[fqn_of[name]] for name in names}
+    return Weights({name: (tensors[fqn].size, tensors[fqn].properties.dtype) for name, fqn in fqn_of.items()},
+                   read_shards)
 
 
 def check_not_inside(output: Path, source: Path) -> None:
@@ -80,7 +101,7 @@ def run_data(checkpoint_dir: Path) -> dict | None:
 
 
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
-                      model: str | None = None, max_shard_size: str | int = "2GB") -> Path:
+                      model: str | None = None, max_shard_size: int = 2 * 10**9) -> Path:
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
@@ -105,9 +126,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
         generation_config = GenerationConfig.from_pretrained(config_source)
     except OSError:
         generation_config = None
-    state_dict = load_full_state_dict(weights)
     try:
-        return write_model_dir(state_dict, config, output, tokenizer=tokenizer, generation_config=generation_config,
+        return write_model_dir(checkpoint_weights(weights), config, output, tokenizer=tokenizer, generation_config=generation_config,
                                run_data=run_data(checkpoint_dir), dtype=dtype,
                                max_shard_size=max_shard_size, overwrite=overwrite)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -93,23 +94,52 @@ def read_run_data(model_dir: str | Path) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfig, out_dir: str | Path, *,
+@dataclass
+class Weights:
+    """A model's tensors by name, in order, fetched a few at a time: from a
+    state dict in memory, or (export.py) straight from a checkpoint's shards,
+    so that writing never holds more than one output file's tensors."""
+    specs: dict[str, tuple[torch.Size, torch.dtype]]           # name -> shape and stored dtype
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]]
+
+    @classmethod
+    def in_memory(cls, state_dict: dict[str, torch.Tensor]) -> "Weights":
+        return cls({name: (t.shape, t.dtype) for name, t in state_dict.items()},
+                   lambda names: {name: state_dict[name].detach().to("cpu") for name in names})
+
+
+def plan_files(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
+    """Names grouped, in order, into files of at most max_shard_size bytes
+    (a larger tensor gets a file of its own), as huggingface_hub splits them."""
+    files, current, current_size = [], [], 0
+    for name, size in sizes.items():
+        if current and current_size + size > max_shard_size:
+            files.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    return [*files, current] if current else files
+
+
+def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: PretrainedConfig, out_dir: str | Path, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
                     generation_config: GenerationConfig | None = None, run_data: dict | None = None,
-                    dtype: str = "float32", max_shard_size: str | int = "2GB", overwrite: bool = False) -> Path:
+                    dtype: str = "float32", max_shard_size: int = 2 * 10**9, overwrite: bool = False) -> Path:
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
+    weights = weights if isinstance(weights, Weights) else Weights.in_memory(weights)
     torch_dtype = DTYPES[dtype]
 
+    def stored_dtype(name: str) -> torch.dtype:
+        return torch_dtype if weights.specs[name][1].is_floating_point else weights.specs[name][1]
+
     duplicates = tied_duplicates(meta_model(config))
-    tensors = {}
-    for name in list(state_dict):
-        if name in duplicates and duplicates[name] in state_dict:
-            continue  # stored once, under the name the model ties it to
-        tensor = state_dict[name].detach().to("cpu")
-        if tensor.is_floating_point():
-            tensor = tensor.to(torch_dtype)
-        tensors[name] = tensor.contiguous()  # no copy when already fp32, contiguous and on CPU
+    # A tied tensor is stored once, under the name the model ties it to.
+    names = [n for n in weights.specs if not (n in duplicates and duplicates[n] in weights.specs)]
+    sizes = {n: weights.specs[n][0].numel() * stored_dtype(n).itemsize for n in names}
+    files = plan_files(sizes, max_shard_size)
+    filenames = ([f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+                 if len(files) > 1 else ["model.safetensors"])
 
     remove_dead_temporaries(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -119,13 +149,14 @@ def write_model_dir(state_dict: dict[str, torch.Tensor], config: PretrainedConfi
     except OSError as e:
         raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
     try:
-        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_size)
-        for filename, names in split.filename_to_tensors.items():
-            save_file({n: tensors[n] for n in names}, str(tmp / filename), metadata={"format": "pt"})
-        if split.is_sharded:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                     "weight_map": split.tensor_to_filename}
+        for filename, group in zip(filenames, files):
+            tensors = {name: tensor.to(stored_dtype(name)).contiguous()  # no copy when it already is
+                       for name, tensor in weights.fetch(group).items()}
+            save_file(tensors, str(tmp / filename), metadata={"format": "pt"})
+            del tensors  # before the next file's are fetched
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {name: filename for filename, group in zip(filenames, files) for name in group}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         config = config.__class__.from_dict(config.to_dict())
         config.dtype = dtype

@@ -206,3 +206,49 @@ for command in (["generate", {str(exported)!r}, "--prompt", "The", "--max_new_to
     assert not imported, (command[0], imported)
 """
     check_ok(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120))
+
+
+def test_export_streams_a_large_checkpoint_one_file_at_a_time(exported, checkpointed_run, tmp_path, env):
+    """A 126 MB model in files of at most 24 MB: the export's peak RSS stays
+    below its baseline (the RSS once a small export has run) plus twice the
+    file size, and every tensor equals the checkpointed one."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    config = AutoConfig.from_pretrained(exported)
+    config.update(dict(n_layer=10, n_embd=512, n_head=8, n_positions=128))
+    torch.manual_seed(0)
+    state = {name: tensor for name, tensor in GPT2LMHeadModel(config).state_dict().items() if name != "lm_head.weight"}
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    shard = 24 * 10**6
+    assert model_bytes >= 4 * shard and max(t.numel() * 4 for t in state.values()) < shard
+    checkpoint = tmp_path / "big" / "checkpoints" / "step_000001"
+    dcp.save({"model": state}, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"), no_dist=True)
+    shutil.copytree(exported, tmp_path / "model_files", ignore=shutil.ignore_patterns("*.safetensors*"))
+    config.save_pretrained(tmp_path / "model_files")
+
+    script = f"""
+from pathlib import Path
+from finetune.cli import main
+
+def status(field):  # bytes
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+assert main(["export", {str(checkpointed_run)!r}, "--output", {str(tmp_path / "small")!r}]) == 0  # imports, warm paths
+baseline = status("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+assert main(["export", {str(checkpoint)!r}, "--model", {str(tmp_path / "model_files")!r}, "--output",
+             {str(tmp_path / "out")!r}, "--max_shard_size", "{shard}"]) == 0
+print(baseline, status("VmHWM"))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    baseline, peak = map(int, proc.stdout.split()[-2:])
+    assert peak - baseline < 2 * shard, f"export peaked {peak - baseline:,} bytes above its baseline {baseline:,}"
+    files = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(files) >= 4 and all(f.stat().st_size <= shard + 10**5 for f in files)
+    written = {name: tensor for f in files for name, tensor in load_file(f).items()}
+    assert written.keys() == state.keys()
+    assert all(torch.equal(written[name], tensor) for name, tensor in state.items())
