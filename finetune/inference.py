@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Subset
@@ -20,6 +22,8 @@ def load_model_dir(model_dir: str):
     """(task entry, model, tokenizer or None) of a dir written by finetune, or of a GGUF file."""
     if is_gguf(model_dir):
         model_dir = str(converted_dir(model_dir))
+    elif not Path(model_dir).exists() and (model_dir.startswith((".", "/", "~")) or model_dir.count("/") > 1):
+        raise UsageError(f"{model_dir} does not exist; pass the output of `finetune export` or a run's final/")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         task = task_for_config(config)

@@ -273,6 +273,7 @@ OTHER_COMMANDS = {
     "generate --max_new_tokens -1": (lambda t, run: ["generate", run / "final", "--prompt", "The", "--max_new_tokens",
                                                      "-1"], "--max_new_tokens: must be > 0, got -1"),
     "generate with an empty prompt": (lambda t, run: ["generate", run / "final", "--prompt", " "], "--prompt is empty"),
+    "a model dir that does not exist": (lambda t, run: ["evaluate", t / "no_model"], "no_model does not exist"),
     "evaluate with batch 0": (lambda t, run: ["evaluate", run / "final", "--per_device_batch_size", "0"],
                               "--per_device_batch_size: must be > 0, got 0"),
     "evaluate with a block longer than the model": (lambda t, run: ["evaluate", run / "final", "--block_size", "4096"],
