@@ -88,7 +88,8 @@ def record(distributed_type: str, num_processes: int) -> dict:
 
 
 def under_a_launcher() -> bool:
-    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ or launcher_options() is not None
+    """Started by torchrun or accelerate launch (whose one-process mode sets no LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ or launcher_options() is not None
 
 
 def relaunch_command(run_dir: Path, launch: dict, argv: list[str], num_processes: int | None,
