@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
-                             TrainConfig, canonical_key, coerce, config_fields, field_types, load_config)
+                             TrainConfig, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -138,12 +138,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         options = [o for o in args.subparser.known_options if o.startswith("--")]
         first = next((a for a in unknown if a.startswith("--")), unknown[0])
         if first.startswith("--") and first[2:].split("=")[0] in ELSEWHERE:
-            canonical_key(first[2:].split("=")[0], "--")  # raises: the option belongs elsewhere
+            raise UsageError(launch_option_message(args.argv, args.argv.index(first)))
         close = difflib.get_close_matches(first.split("=")[0], options, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         what = "unknown option" if first.startswith("-") else "unexpected argument"
         raise UsageError(f"{what} {first}{hint}; see `finetune {args.command} --help`")
     return args
+
+
+def launch_option_message(argv: list[str], index: int) -> str:
+    """For a launch option typed after the command: the user's own command,
+    launched with it, so that the fix runs as printed."""
+    key, _, value = argv[index][2:].partition("=")
+    rest = argv[:index] + argv[index + 1:]
+    if not value and index + 1 < len(argv) and not argv[index + 1].startswith("-"):
+        value, rest = argv[index + 1], argv[:index] + argv[index + 2:]
+    return f"--{key} is {ELSEWHERE[key][0]}; run `{launch_instead(key, value, rest)}`"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,18 +266,26 @@ ALIASES = {
     "eval_steps": "eval_every", "overwrite_output_dir": "overwrite",
     "lr_scheduler": "lr_scheduler_type",  # this project's own name before the get_scheduler names
 }
-# Names that are not options of a run here, and where what they set goes instead.
+# Names that are not options of a run here: what they are, the `accelerate
+# launch` options that set what they meant (from the value given), and the
+# shipped accelerate config to launch with.
 ELSEWHERE = {
-    "num_processes": "an `accelerate launch` option; put it before `-m finetune`, e.g. "
-                     "`accelerate launch --config_file $(finetune configs --path fsdp) --num_processes 2 -m finetune train ...`",
-    "mixed_precision": "an `accelerate launch` option; put it before `-m finetune`, e.g. "
-                       "`accelerate launch --config_file $(finetune configs --path fsdp) --mixed_precision bf16 -m finetune train ...`",
-    "bf16": "mixed precision, an `accelerate launch` option; use `accelerate launch --mixed_precision bf16 ... -m finetune train ...`",
-    "fp16": "mixed precision, an `accelerate launch` option; use `accelerate launch --mixed_precision fp16 ... -m finetune train ...`",
-    "num_machines": "an `accelerate launch` option; put it before `-m finetune`",
-    "gradient_checkpointing": "set by the accelerate config here; use `accelerate launch --config_file "
-                              "$(finetune configs --path fsdp_activation_checkpointing) -m finetune train ...`",
+    "num_processes": ("an `accelerate launch` option", lambda v: ["--num_processes", v or "2"], "fsdp"),
+    "num_machines": ("an `accelerate launch` option", lambda v: ["--num_machines", v or "2"], "multinode"),
+    "mixed_precision": ("an `accelerate launch` option", lambda v: ["--mixed_precision", v or "bf16"], "fsdp"),
+    "bf16": ("mixed precision, an `accelerate launch` option", lambda v: ["--mixed_precision", "bf16"], "fsdp"),
+    "fp16": ("mixed precision, an `accelerate launch` option", lambda v: ["--mixed_precision", "fp16"], "fsdp"),
+    "gradient_checkpointing": ("set by the accelerate config here", lambda v: [], "fsdp_activation_checkpointing"),
 }
+
+
+def launch_instead(key: str, value: str, command: list[str]) -> str:
+    """`finetune COMMAND` launched with what `--key value` meant, for messages."""
+    _, launch_options, config = ELSEWHERE[key]
+    return (f"accelerate launch --config_file $(finetune configs --path {config}) "
+            + shlex.join([*launch_options(value), "-m", "finetune", *command]))
+
+
 # What a fine-tune of a pretrained model starts from (the usual HF Trainer values); presets
 # trained from scratch keep the dataclass's nanoGPT-style values.
 FINE_TUNING_DEFAULTS = dict(optimizer="adamw", learning_rate=5e-5, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
@@ -287,7 +296,8 @@ def canonical_key(key: str, where: str) -> str:
     """Our name for an option given under a Trainer/run_clm name; a one-line error
     for names that belong to `accelerate launch` or its config."""
     if key in ELSEWHERE:
-        raise UsageError(f"{where}{key} is {ELSEWHERE[key]}")
+        raise UsageError(f"{where}{key} is {ELSEWHERE[key][0]}; drop it and launch with it, e.g. "
+                         f"`{launch_instead(key, '', ['train', '--config', where.removesuffix(': ')])}`")
     return ALIASES.get(key, key)
 
 

@@ -53,8 +53,12 @@ def test_a_run_clm_command_line_runs_as_written(tmp_path, env, text_file):
 @pytest.mark.parametrize("option, where", [("--num_processes", "accelerate launch"), ("--bf16", "--mixed_precision bf16"),
                                            ("--gradient_checkpointing", "configs --path fsdp_activation_checkpointing")])
 def test_launch_options_after_the_command_say_where_they_go(option, where, tmp_path):
-    proc = run_in_process("train", option, "2", "--output_dir", tmp_path / "out")
+    proc = run_in_process("train", "--max_steps", "3", option, "2", "--output_dir", tmp_path / "out")
     assert proc.returncode == 2 and where in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    # The fix is the user's own command, launched: it runs as printed.
+    launch = proc.stderr[proc.stderr.index("run `") + 5:proc.stderr.rindex("`")]
+    assert launch.startswith("accelerate launch --config_file $(finetune configs --path fsdp")
+    assert launch.endswith(f" -m finetune train --max_steps 3 --output_dir {tmp_path / 'out'}"), launch
 
 
 def test_yaml_configs_take_the_same_names(tmp_path):
