@@ -31,6 +31,7 @@ from accelerate.utils import DistributedType, set_seed
 from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedTokenizerBase
 
+from finetune.config import TrainConfig, resume_changes
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
 from finetune.model_dir import tied_duplicates, write_model_files
@@ -179,6 +180,33 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
     if not (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and sharded_run:
         raise UsageError(f"{checkpoint_dir} was written without FSDP and this run is FSDP; resume it with the "
                          "accelerate config it was trained with, or start from its export with --model")
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse to mix two runs in one dir. Runs on every rank before the process
+    group exists, so no rank can see a file another one just wrote."""
+    run_dir = Path(cfg.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
+    writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
+    if not os.access(writable, os.W_OK):
+        raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
+                         "--output_dir")
+    if cfg.resume_from_checkpoint or cfg.overwrite:
+        return
+    if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
+        raise UsageError(f"{run_dir} already holds a run; resume it with `finetune resume {run_dir}`, "
+                         "pass --overwrite, or choose another --output_dir")
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """What a resume can check before any process starts: the run dir, the
+    checkpoint's files, and the changes asked of it."""
+    check_run_dir(cfg)
+    checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    if checkpoint is not None:
+        verify_checkpoint(checkpoint)
+        resume_changes(saved_config(checkpoint), cfg)
 
 
 def store_tied_weights_once(model: torch.nn.Module) -> None:

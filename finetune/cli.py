@@ -283,7 +283,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     import yaml
 
     from finetune.launch import without_options, relaunch, under_a_launcher
-    from finetune.train import check_resumable
+    from finetune.checkpoint import check_resumable
 
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():

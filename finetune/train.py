@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import shutil
 import sys
 import time
@@ -32,8 +31,8 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step, complete_checkpoints,
-                                 resolve_checkpoint, saved_config, verify_checkpoint)
+from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_dir, checkpoint_step,
+                                 complete_checkpoints, resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
@@ -152,33 +151,6 @@ def run_to_the_end(run: Run) -> dict:
     `train` tears down the process group."""
     fit(run)
     return finish(run)
-
-
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse to mix two runs in one dir. Runs on every rank before the process
-    group exists, so no rank can see a file another one just wrote."""
-    run_dir = Path(cfg.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
-    writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
-    if not os.access(writable, os.W_OK):
-        raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
-                         "--output_dir")
-    if cfg.resume_from_checkpoint or cfg.overwrite:
-        return
-    if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
-        raise UsageError(f"{run_dir} already holds a run; resume it with `finetune resume {run_dir}`, "
-                         "pass --overwrite, or choose another --output_dir")
-
-
-def check_resumable(cfg: TrainConfig) -> None:
-    """What a resume can check before any process starts: the run dir, the
-    checkpoint's files, and the changes asked of it."""
-    check_run_dir(cfg)
-    checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-    if checkpoint is not None:
-        verify_checkpoint(checkpoint)
-        resume_changes(saved_config(checkpoint), cfg)
 
 
 # --- setup ----------------------------------------------------------------------------------------
