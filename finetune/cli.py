@@ -36,7 +36,7 @@ OPTION_GROUPS = {
     "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",
                  "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
-                 "max_grad_norm", "seed"),
+                 "max_grad_norm", "seed", "loss_chunk_size"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
                                 "resume_from_checkpoint"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",

@@ -50,7 +50,7 @@ RESUME_MAY_CHANGE = {
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
-                     "ddp_timeout", "per_device_eval_batch_size"),
+                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size"),
                     "applies from the next step"),
 }
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
@@ -139,6 +139,9 @@ class TrainConfig:
     lr_gamma: float = _opt(0.5, "the step schedule multiplies the learning rate by this after every epoch")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     seed: int = _opt(42, "seed for model init, data order and dropout")
+    loss_chunk_size: int = _opt(512, "causal-lm: positions per chunk of the cross-entropy, computed from the output "
+                                "layer's input so that the full [batch, block, vocab] logits never exist (0 = the "
+                                "full logits; same loss either way)")
 
     # bookkeeping
     log_every: int = _opt(1, "write a metrics row (and, with plain logs, a console line) every N optimizer steps")
@@ -173,7 +176,8 @@ class TrainConfig:
         positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
-                        "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay"]
+                        "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
+                        "loss_chunk_size"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")

@@ -305,23 +305,6 @@ def test_bf16_model_dir_is_half_the_size(tmp_path):
         assert AutoModelForCausalLM.from_pretrained(tmp_path / dtype).dtype == getattr(torch, dtype)
 
 
-def test_next_token_nll_predicts_the_following_token_where_it_is_a_target():
-    from finetune.tasks.causal_lm import next_token_nll
-
-    torch.manual_seed(0)
-    logits, ids = torch.randn(3, 7, 11), torch.randint(0, 11, (3, 7))
-    log_probs = logits.log_softmax(-1)
-    expected = torch.stack([torch.stack([-log_probs[b, t, ids[b, t + 1]] for t in range(6)] + [torch.tensor(0.0)])
-                            for b in range(3)])
-    torch.testing.assert_close(next_token_nll(logits, ids), expected)
-    labels = ids.clone()
-    labels[:, :4] = -100  # no loss for predicting the first four tokens
-    expected[:, :3] = 0.0
-    torch.testing.assert_close(next_token_nll(logits, labels), expected)
-    # bf16 logits: the loss is still computed in fp32.
-    assert next_token_nll(logits.bfloat16(), ids).dtype == torch.float32
-
-
 def test_config_defaults_are_valid():
     TrainConfig().validate()
 

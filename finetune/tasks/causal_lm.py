@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from datasets import Dataset, DatasetDict
@@ -24,22 +23,7 @@ from finetune.distributed import main_process_first
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
-
-
-def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Targets for every position: the next token's label, ignored (-100) at
-    the last. Shifting the targets instead of the logits spares a copy of the
-    [B, T, vocab] logits, the largest tensor of the step."""
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
-
-
-def next_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position NLL [B, T] of predicting labels[:, t+1] from position t, 0
-    where there is no target; in fp32 whatever the compute dtype (bf16 logits
-    would quantise the loss)."""
-    targets = next_token_targets(labels)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
-    return nll.view(targets.shape)
+from finetune.tasks.lm_loss import can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
 
 
 def attention_inputs(batch: dict, attn_implementation: str) -> dict:
@@ -159,17 +143,26 @@ class CausalLM(Task):
 
     def loss(self, model, batch: dict) -> LossSum:
         # No KV cache: a training forward never reuses it.
-        nll, targets, tokens = self._forward(model, batch)
-        return LossSum(total=nll.sum(), count=targets.sum(), units=tokens)
+        _, total, targets, tokens = self._forward(model, batch)
+        return LossSum(total=total, count=targets.sum(), units=tokens)
 
     def _forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-position NLL [B, T], which positions have a target, and the
-        number of real (not padding) tokens."""
+        number of real (not padding) tokens. The NLL comes from the output
+        layer's input a chunk at a time (lm_loss.py) unless --loss_chunk_size
+        is 0 or the model's head is not one the chunked loss reproduces."""
         labels = batch.get("labels", batch["input_ids"])
-        inputs = attention_inputs(batch, model_config(model)._attn_implementation)
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits
+        targets = next_token_targets(labels)
+        inputs = {"input_ids": batch["input_ids"], "use_cache": False,
+                  **attention_inputs(batch, model_config(model)._attn_implementation)}
         tokens = batch["attention_mask"].sum() if "attention_mask" in batch else torch.tensor(labels.numel())
-        return next_token_nll(logits, labels), next_token_targets(labels) != -100, tokens
+        chunked = (chunked_head_loss(model, inputs, targets, self.cfg.loss_chunk_size)
+                   if self.cfg.loss_chunk_size and can_chunk(model) else None)
+        if chunked is None:
+            nll = full_logits_nll(model(**inputs).logits, targets)
+            return nll, nll.sum(), targets != -100, tokens
+        total, nll = chunked
+        return nll, total, targets != -100, tokens
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
@@ -182,7 +175,7 @@ class CausalLM(Task):
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
-            nll, targets, _ = self._forward(model, batch)
+            nll, _, targets, _ = self._forward(model, batch)
             nll_sum, counts = accelerator.gather_for_metrics((nll.sum(dim=1), targets.sum(dim=1)))
             metric.add_batch(nll_sum=nll_sum.double().cpu().tolist(), num_tokens=counts.cpu().tolist())
         model.train(was_training)
