@@ -5,6 +5,8 @@ markdown table and JSON.
     python scripts/bench.py --suite configs [--model gpt2-small] [--steps 6] [--mixed_precision no] [--profile]
     python scripts/bench.py --suite baselines [--model gpt2-small]
     python scripts/bench.py --suite packing [--model small-gpt2] [--block_size 256]
+    python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small]
+    python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -48,6 +50,20 @@ chat`, a plain role-prefixed chat template written for the preset's tokenizer),
 2-process FSDP, the same model, examples and batch: packed blocks against one
 example per row padded to the batch's longest. Reported: real tokens/s (padding
 never counts) over the timed steps, and its ratio.
+
+Suite `loss`: one process, the same model, blocks and batch (`--batch` sequences
+per step), the cross-entropy over the full logits (`--loss_chunk_size 0`)
+against the chunked one (the default): the peak bytes torch's allocator held
+during a profiled step above what lived between steps, the median step time,
+and how far the chunked run's losses are from the full one's.
+
+Suite `startup`: on tiny-gpt2 with warm caches, the seconds from `accelerate
+launch` (fsdp.yaml, 2 processes) to the first training step's metrics row
+(the first evaluation, one batch, included), and the whole of `finetune
+generate` (8 new tokens) and `finetune export` of that run. With
+`--baseline_ref REF` the same commands also run on a git worktree of REF (a
+commit, tag or branch), interleaved with this checkout's: before and after in
+one invocation.
 
 `--rounds R` runs every case R times, interleaved, and keeps each case's fastest
 round, so a burst of load from elsewhere on the machine does not decide a ratio.
@@ -416,9 +432,104 @@ def suite_packing(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def suite_loss(args) -> tuple[list[dict], str]:
+    """Full logits against the chunked loss, 1 process, profiled after 2 warm-up steps."""
+    from finetune.config import TrainConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def run_case(chunk: int, round_index: int) -> dict:
+            name = "full logits" if chunk == 0 else f"chunked ({chunk} positions)"
+            print(f"[bench] {name}, 1 process", flush=True)
+            run_dir = Path(tmp) / f"chunk{chunk}-{round_index}"
+            launch("single.yaml", 1, [*train_args(args, run_dir, args.batch, profile=True), "--loss_chunk_size",
+                                      str(chunk)], args.mixed_precision, threads=os.cpu_count())
+            breakdown = json.loads((run_dir / "profile" / "rank0_breakdown.json").read_text())
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            return {"case": name, "losses": [r["loss"] for r in rows if "loss" in r],
+                    "step_time_s": statistics.median(r["step_time_s"] for r in rows if "loss" in r),
+                    "peak_step_allocation_bytes": breakdown["peak_step_allocation_bytes"]}
+
+        results = fastest_rounds([0, TrainConfig().loss_chunk_size], run_case, args.rounds)
+    full, chunked = results
+    worst = max(abs(a - b) / abs(a) for a, b in zip(full["losses"], chunked["losses"]))
+    lines = [f"model {args.model}, {args.steps} steps ({args.steps - 2} profiled), batch {args.batch} x "
+             f"{args.block_size} tokens, 1 process, {args.mixed_precision}, fastest of {args.rounds} round(s)", "",
+             "| case | step time (s) | torch peak step allocation (bytes) |", "| --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['step_time_s']:.3f} | {r['peak_step_allocation_bytes']} |" for r in results]
+    ratio = chunked["peak_step_allocation_bytes"] / full["peak_step_allocation_bytes"]
+    lines += ["", f"chunked / full: {ratio:.2f}x peak step allocation, "
+                  f"{chunked['step_time_s'] / full['step_time_s']:.2f}x step time; "
+                  f"largest relative loss difference over {len(full['losses'])} steps: {worst:.1e}",
+              "", "targets:", target_line("chunked / full peak step allocation", ratio, 0.70, False),
+              target_line("largest relative loss difference (x 1e5)", worst * 1e5, 1.0, False)]
+    return results, "\n".join(lines)
+
+
+def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
+    """Seconds until `cmd` exits, or with `until` until that file holds a
+    training row (the process is then left to finish, untimed)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(cwd)}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    elapsed = None
+    while proc.poll() is None:
+        if until is not None and until.exists() and '"loss"' in until.read_text():
+            elapsed = time.perf_counter() - start
+            break
+        time.sleep(0.01)
+    stderr = proc.communicate()[1]
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed in {cwd}:\n{stderr[-3000:]}")
+    return elapsed if elapsed is not None else time.perf_counter() - start
+
+
+def suite_startup(args) -> tuple[list[dict], str]:
+    """Launch to first step, generate and export, per checkout (this one and --baseline_ref)."""
+    python = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        checkouts = {"this checkout": REPO}
+        if args.baseline_ref:
+            baseline = Path(tmp) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline_ref], cwd=REPO,
+                           check=True, capture_output=True)
+            checkouts = {f"baseline {args.baseline_ref}": baseline, **checkouts}
+        try:
+            def run_case(name: str, round_index: int) -> dict:
+                cwd, run_dir = checkouts[name], Path(tmp) / f"{list(checkouts).index(name)}-{round_index}"
+                print(f"[bench] start-up, {name}", flush=True)
+                train = [python, "-m", "accelerate.commands.launch", "--config_file",
+                         str(cwd / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "-m", "finetune",
+                         "train", "--model", "tiny-gpt2", "--max_steps", "2", "--max_eval_batches", "1",
+                         "--sample_prompt", "", "--output_dir", str(run_dir)]
+                first_step = timed(train, cwd, until=run_dir / "metrics.jsonl")
+                generate = timed([python, "-m", "finetune", "generate", str(run_dir / "final"), "--prompt", "The",
+                                  "--max_new_tokens", "8"], cwd)
+                export = timed([python, "-m", "finetune", "export", str(run_dir), "--output",
+                                str(run_dir / "exported")], cwd)
+                # "step_time_s" keeps fastest_rounds' choice of round on the figure users wait for.
+                return {"case": name, "step_time_s": first_step, "launch_to_first_step_s": first_step,
+                        "generate_s": generate, "export_s": export}
+
+            run_case(next(iter(checkouts)), -1)  # warm the caches (data, tokenizer, bytecode) before timing
+            final = fastest_rounds(list(checkouts), run_case, args.rounds)
+        finally:
+            if args.baseline_ref:
+                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
+    lines = [f"tiny-gpt2, warm caches, fastest of {args.rounds} round(s) per case", "",
+             "| checkout | launch to first step, fsdp.yaml x 2 (s) | generate (s) | export (s) |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['launch_to_first_step_s']:.2f} | {r['generate_s']:.2f} | {r['export_s']:.2f} |"
+              for r in final]
+    ours = final[-1]
+    lines += ["", "targets:", target_line("launch to first step (s)", ours["launch_to_first_step_s"], 8.0, False),
+              target_line("generate (s)", ours["generate_s"], 4.0, False),
+              target_line("export (s)", ours["export_s"], 4.0, False)]
+    return final, "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing"], default=None,
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup"], default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
@@ -433,11 +544,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="baselines: also time our loop with torch.compile (accelerate's inductor backend)")
     parser.add_argument("--profile", action="store_true", help="also table where each case's step time goes")
+    parser.add_argument("--baseline_ref", default="", help="startup: also time a git worktree of this commit")
     parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
     args = parser.parse_args()
 
     start = time.perf_counter()
-    suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing}
+    suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)

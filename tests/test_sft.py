@@ -114,8 +114,8 @@ def test_packing_gives_each_example_the_loss_and_gradients_it_has_alone(chat_mod
     assert len(packed) == 1 and len(packed[0]["input_ids"]) == sum(len(ids) for ids in examples["input_ids"])
 
     model.zero_grad()
-    nll, targets, _ = task._forward(model, collate([packed[0]]))
-    nll.sum().backward()
+    nll, total, _, _ = task._forward(model, collate([packed[0]]))
+    total.backward()
     packed_grads = [p.grad.clone() for p in model.parameters()]
     starts = [i for i, p in enumerate(packed[0]["position_ids"]) if p == 0] + [len(packed[0]["position_ids"])]
     packed_losses = sorted(float(nll[0, a:b].detach().sum()) for a, b in zip(starts, starts[1:]))
@@ -123,8 +123,8 @@ def test_packing_gives_each_example_the_loss_and_gradients_it_has_alone(chat_mod
     model.zero_grad()
     alone = []
     for row in single:
-        nll, _, _ = task._forward(model, collate([row]))
-        nll.sum().backward()
+        nll, total, _, _ = task._forward(model, collate([row]))
+        total.backward()
         alone.append(float(nll.detach().sum()))
     torch.testing.assert_close(packed_losses, sorted(alone), rtol=1e-5, atol=1e-5)
     for packed_grad, p in zip(packed_grads, model.parameters()):

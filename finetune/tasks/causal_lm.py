@@ -5,7 +5,7 @@ cross-entropy on the targets, perplexity."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -51,6 +51,14 @@ def attention_inputs(batch: dict, attn_implementation: str) -> dict:
         raise UsageError(f"packed and padded SFT batches need sdpa or eager attention, not {attn_implementation}; "
                          "load the model with attn_implementation='sdpa'")
     return {"attention_mask": allowed, "position_ids": positions}
+
+
+class Scores(NamedTuple):
+    """One forward's loss terms."""
+    nll: torch.Tensor         # per position [B, T], 0 where there is no target (not differentiable when chunked)
+    total: torch.Tensor       # their sum, what backward starts from
+    has_target: torch.Tensor  # [B, T] bool
+    tokens: torch.Tensor      # real (not padding) tokens
 
 
 def model_config(model):
@@ -143,14 +151,13 @@ class CausalLM(Task):
 
     def loss(self, model, batch: dict) -> LossSum:
         # No KV cache: a training forward never reuses it.
-        _, total, targets, tokens = self._forward(model, batch)
-        return LossSum(total=total, count=targets.sum(), units=tokens)
+        scores = self._forward(model, batch)
+        return LossSum(total=scores.total, count=scores.has_target.sum(), units=scores.tokens)
 
-    def _forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-position NLL [B, T], which positions have a target, and the
-        number of real (not padding) tokens. The NLL comes from the output
-        layer's input a chunk at a time (lm_loss.py) unless --loss_chunk_size
-        is 0 or the model's head is not one the chunked loss reproduces."""
+    def _forward(self, model, batch: dict) -> Scores:
+        """The NLL comes from the output layer's input a chunk at a time
+        (lm_loss.py) unless --loss_chunk_size is 0 or the model's head is not
+        one the chunked loss reproduces."""
         labels = batch.get("labels", batch["input_ids"])
         targets = next_token_targets(labels)
         inputs = {"input_ids": batch["input_ids"], "use_cache": False,
@@ -160,9 +167,9 @@ class CausalLM(Task):
                    if self.cfg.loss_chunk_size and can_chunk(model) else None)
         if chunked is None:
             nll = full_logits_nll(model(**inputs).logits, targets)
-            return nll, nll.sum(), targets != -100, tokens
+            return Scores(nll, nll.sum(), targets != -100, tokens)
         total, nll = chunked
-        return nll, total, targets != -100, tokens
+        return Scores(nll, total, targets != -100, tokens)
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
@@ -175,8 +182,8 @@ class CausalLM(Task):
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
-            nll, _, targets, _ = self._forward(model, batch)
-            nll_sum, counts = accelerator.gather_for_metrics((nll.sum(dim=1), targets.sum(dim=1)))
+            scores = self._forward(model, batch)
+            nll_sum, counts = accelerator.gather_for_metrics((scores.nll.sum(dim=1), scores.has_target.sum(dim=1)))
             metric.add_batch(nll_sum=nll_sum.double().cpu().tolist(), num_tokens=counts.cpu().tolist())
         model.train(was_training)
         return metric.compute()
