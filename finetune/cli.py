@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
                         help="sequences per device (default: 8)")
     memory.add_argument("--block_size", type=positive_int, default=128, help="tokens per sequence (default: 128)")
+    memory.add_argument("--loss_chunk_size", type=int, default=TrainConfig().loss_chunk_size,
+                        help="as for train: positions per chunk of the loss, 0 = the full logits "
+                             f"(default: {TrainConfig().loss_chunk_size})")
     memory.add_argument("--mixed_precision", choices=["bf16", "no"], default=None,
                         help="compute dtype (default: the accelerate config's, else bf16)")
     memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
@@ -364,7 +367,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
     shape = model_shape(args.model)
-    estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision)
+    estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
+                         args.loss_chunk_size)
     print(render(shape, estimates, num_processes, args.device_memory))
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")

@@ -8,7 +8,8 @@ the compute dtype (two units with prefetch). SHARD_GRAD_OP keeps every unit
 gathered from forward to backward. Offload moves the persistent state to CPU
 memory. Activations follow the usual transformer estimate (Korthikanti et al.
 2022, with memory-efficient attention): about 34 * hidden bytes per token and
-layer in 16-bit, doubled in fp32, plus the logits.
+layer in 16-bit, doubled in fp32, plus the logits (or, with the chunked loss, one
+chunk of them and the gradients it keeps).
 """
 
 from __future__ import annotations
@@ -120,20 +121,25 @@ class Estimate:
 
 
 def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,
-                     checkpointing: bool = False) -> int:
+                     checkpointing: bool = False, loss_chunk_size: int = 0) -> int:
     tokens = batch * block_size
     per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
     layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
-    logits = tokens * shape.vocab * (compute_bytes + 4 + 4)  # logits, fp32 copy, its gradient
-    return layers + logits
+    if not loss_chunk_size:
+        return layers + tokens * shape.vocab * (compute_bytes + 4 + 4)  # logits, fp32 copy, its gradient
+    # One chunk's logits, fp32 scores and their gradient at a time, and the
+    # gradients the chunked loss keeps for backward: the hidden states' and the
+    # output layer's (fp32).
+    chunk = min(tokens, loss_chunk_size) * shape.vocab * (compute_bytes + 4 + compute_bytes)
+    return layers + chunk + tokens * shape.hidden * compute_bytes + shape.vocab * shape.hidden * 4
 
 
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
-             mixed_precision: str = "bf16") -> list[Estimate]:
+             mixed_precision: str = "bf16", loss_chunk_size: int = 0) -> list[Estimate]:
     n = num_processes
     compute = 2 if mixed_precision == "bf16" else 4
     p = shape.params
-    acts = activation_bytes(shape, batch, block_size, compute)
+    acts = activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size)
     # Gathered copies: two units (the current one and the prefetched next one).
     gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
     shard = -(-p // n)  # ceil: FSDP pads the last shard
@@ -142,7 +148,8 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         Estimate("FSDP full shard", 4 * shard, 4 * shard, 8 * shard, gather_units, acts),
         Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * shard, 8 * shard, p * compute if n > 1 else 0, acts),
         Estimate("FSDP + activation checkpointing", 4 * shard, 4 * shard, 8 * shard, gather_units,
-                 activation_bytes(shape, batch, block_size, compute, checkpointing=True)),
+                 activation_bytes(shape, batch, block_size, compute, checkpointing=True,
+                                  loss_chunk_size=loss_chunk_size)),
         Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
     ]
 

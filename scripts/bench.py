@@ -5,7 +5,7 @@ markdown table and JSON.
     python scripts/bench.py --suite configs [--model gpt2-small] [--steps 6] [--mixed_precision no] [--profile]
     python scripts/bench.py --suite baselines [--model gpt2-small]
     python scripts/bench.py --suite packing [--model small-gpt2] [--block_size 256]
-    python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small]
+    python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small] [--baseline_ref REF]
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
@@ -55,7 +55,9 @@ Suite `loss`: one process, the same model, blocks and batch (`--batch` sequences
 per step), the cross-entropy over the full logits (`--loss_chunk_size 0`)
 against the chunked one (the default): the peak bytes torch's allocator held
 during a profiled step above what lived between steps, the median step time,
-and how far the chunked run's losses are from the full one's.
+and how far the chunked run's losses are from the full one's. With
+`--baseline_ref REF`, REF's code runs first as it was (today's step, before
+the chunked loss and the one-kernel GELU) and the ratios are against it.
 
 Suite `startup`: on tiny-gpt2 with warm caches, the seconds from `accelerate
 launch` (fsdp.yaml, 2 processes) to the first training step's metrics row
@@ -75,6 +77,7 @@ runs `--quick --suite configs --only single` so this script cannot rot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -95,6 +98,26 @@ CPU_CONFIGS = {  # config -> processes
 }
 
 
+def checkout_env(checkout: Path) -> dict:
+    """The environment that runs `-m finetune` from `checkout` (this repo or a baseline worktree)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(checkout)}
+
+
+@contextlib.contextmanager
+def checkouts(baseline_ref: str, tmp: str):
+    """{label: checkout dir}: a git worktree of `baseline_ref` first when given, then this checkout."""
+    if not baseline_ref:
+        yield {"this checkout": REPO}
+        return
+    baseline = Path(tmp) / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", str(baseline), baseline_ref], cwd=REPO, check=True,
+                   capture_output=True)
+    try:
+        yield {f"baseline {baseline_ref}": baseline, "this checkout": REPO}
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
+
+
 def on_gpu() -> bool:
     import torch
 
@@ -102,18 +125,17 @@ def on_gpu() -> bool:
 
 
 def launch(config: str, nproc: int, train_args: list[str], mixed_precision: str, threads: int | None = None,
-           compiled: bool = False) -> None:
+           compiled: bool = False, checkout: Path = REPO) -> None:
     """`accelerate launch` gives each process 1 thread unless told otherwise;
     `compiled` runs the model through torch.compile (Accelerate's dynamo backend)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(checkout / "accelerate_configs" / config),
            "--num_processes", str(nproc), "--mixed_precision", mixed_precision]
     if threads:
         cmd += ["--num_cpu_threads_per_process", str(threads)]
     if compiled:
         cmd += ["--dynamo_backend", "inductor"]
     cmd += ["-m", "finetune", "train", *train_args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True, env=checkout_env(checkout))
     if proc.returncode != 0:
         sys.exit(f"{config} failed:\n{proc.stderr[-3000:]}")
 
@@ -433,44 +455,51 @@ def suite_packing(args) -> tuple[list[dict], str]:
 
 
 def suite_loss(args) -> tuple[list[dict], str]:
-    """Full logits against the chunked loss, 1 process, profiled after 2 warm-up steps."""
+    """Full logits against the chunked loss (and, with --baseline_ref, that
+    commit as it was), 1 process, profiled after 2 warm-up steps."""
     from finetune.config import TrainConfig
 
-    with tempfile.TemporaryDirectory() as tmp:
-        def run_case(chunk: int, round_index: int) -> dict:
-            name = "full logits" if chunk == 0 else f"chunked ({chunk} positions)"
+    with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline_ref, tmp) as dirs:
+        cases = [(label, None) for label in dirs if label != "this checkout"]
+        cases += [("this checkout", 0), ("this checkout", TrainConfig().loss_chunk_size)]
+
+        def run_case(case: tuple[str, int | None], round_index: int) -> dict:
+            label, chunk = case
+            name = label if chunk is None else "full logits" if chunk == 0 else f"chunked ({chunk} positions)"
             print(f"[bench] {name}, 1 process", flush=True)
-            run_dir = Path(tmp) / f"chunk{chunk}-{round_index}"
-            launch("single.yaml", 1, [*train_args(args, run_dir, args.batch, profile=True), "--loss_chunk_size",
-                                      str(chunk)], args.mixed_precision, threads=os.cpu_count())
+            run_dir = Path(tmp) / f"{list(dirs).index(label)}-{chunk}-{round_index}"
+            option = [] if chunk is None else ["--loss_chunk_size", str(chunk)]
+            launch("single.yaml", 1, [*train_args(args, run_dir, args.batch, profile=True), *option],
+                   args.mixed_precision, threads=os.cpu_count(), checkout=dirs[label])
             breakdown = json.loads((run_dir / "profile" / "rank0_breakdown.json").read_text())
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             return {"case": name, "losses": [r["loss"] for r in rows if "loss" in r],
                     "step_time_s": statistics.median(r["step_time_s"] for r in rows if "loss" in r),
                     "peak_step_allocation_bytes": breakdown["peak_step_allocation_bytes"]}
 
-        results = fastest_rounds([0, TrainConfig().loss_chunk_size], run_case, args.rounds)
-    full, chunked = results
-    worst = max(abs(a - b) / abs(a) for a, b in zip(full["losses"], chunked["losses"]))
+        results = fastest_rounds(cases, run_case, args.rounds)
+    before, chunked = results[0], results[-1]
     lines = [f"model {args.model}, {args.steps} steps ({args.steps - 2} profiled), batch {args.batch} x "
              f"{args.block_size} tokens, 1 process, {args.mixed_precision}, fastest of {args.rounds} round(s)", "",
-             "| case | step time (s) | torch peak step allocation (bytes) |", "| --- | --- | --- |"]
-    lines += [f"| {r['case']} | {r['step_time_s']:.3f} | {r['peak_step_allocation_bytes']} |" for r in results]
-    ratio = chunked["peak_step_allocation_bytes"] / full["peak_step_allocation_bytes"]
-    lines += ["", f"chunked / full: {ratio:.2f}x peak step allocation, "
-                  f"{chunked['step_time_s'] / full['step_time_s']:.2f}x step time; "
-                  f"largest relative loss difference over {len(full['losses'])} steps: {worst:.1e}",
-              "", "targets:", target_line("chunked / full peak step allocation", ratio, 0.70, False),
-              target_line("largest relative loss difference (x 1e5)", worst * 1e5, 1.0, False)]
+             f"| case | step time (s) | torch peak step allocation (bytes) | vs {before['case']} | "
+             "largest relative loss difference |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        worst = max(abs(a - b) / abs(a) for a, b in zip(before["losses"], r["losses"]))
+        r["largest_relative_loss_difference"] = worst
+        lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {r['peak_step_allocation_bytes']} | "
+                     f"{r['peak_step_allocation_bytes'] / before['peak_step_allocation_bytes']:.2f} | {worst:.1e} |")
+    ratio = chunked["peak_step_allocation_bytes"] / before["peak_step_allocation_bytes"]
+    lines += ["", "targets:", target_line(f"{chunked['case']} / {before['case']} peak step allocation", ratio, 0.70, False),
+              target_line("largest relative loss difference (x 1e5)",
+                          chunked["largest_relative_loss_difference"] * 1e5, 1.0, False)]
     return results, "\n".join(lines)
 
 
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(cwd)}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=checkout_env(cwd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     elapsed = None
     while proc.poll() is None:
         if until is not None and until.exists() and '"loss"' in until.read_text():
@@ -486,35 +515,25 @@ def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
 def suite_startup(args) -> tuple[list[dict], str]:
     """Launch to first step, generate and export, per checkout (this one and --baseline_ref)."""
     python = sys.executable
-    with tempfile.TemporaryDirectory() as tmp:
-        checkouts = {"this checkout": REPO}
-        if args.baseline_ref:
-            baseline = Path(tmp) / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline_ref], cwd=REPO,
-                           check=True, capture_output=True)
-            checkouts = {f"baseline {args.baseline_ref}": baseline, **checkouts}
-        try:
-            def run_case(name: str, round_index: int) -> dict:
-                cwd, run_dir = checkouts[name], Path(tmp) / f"{list(checkouts).index(name)}-{round_index}"
-                print(f"[bench] start-up, {name}", flush=True)
-                train = [python, "-m", "accelerate.commands.launch", "--config_file",
-                         str(cwd / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "-m", "finetune",
-                         "train", "--model", "tiny-gpt2", "--max_steps", "2", "--max_eval_batches", "1",
-                         "--sample_prompt", "", "--output_dir", str(run_dir)]
-                first_step = timed(train, cwd, until=run_dir / "metrics.jsonl")
-                generate = timed([python, "-m", "finetune", "generate", str(run_dir / "final"), "--prompt", "The",
-                                  "--max_new_tokens", "8"], cwd)
-                export = timed([python, "-m", "finetune", "export", str(run_dir), "--output",
-                                str(run_dir / "exported")], cwd)
-                # "step_time_s" keeps fastest_rounds' choice of round on the figure users wait for.
-                return {"case": name, "step_time_s": first_step, "launch_to_first_step_s": first_step,
-                        "generate_s": generate, "export_s": export}
+    with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline_ref, tmp) as dirs:
+        def run_case(name: str, round_index: int) -> dict:
+            cwd, run_dir = dirs[name], Path(tmp) / f"{list(dirs).index(name)}-{round_index}"
+            print(f"[bench] start-up, {name}", flush=True)
+            train = [python, "-m", "accelerate.commands.launch", "--config_file",
+                     str(cwd / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "-m", "finetune",
+                     "train", "--model", "tiny-gpt2", "--max_steps", "2", "--max_eval_batches", "1",
+                     "--sample_prompt", "", "--output_dir", str(run_dir)]
+            first_step = timed(train, cwd, until=run_dir / "metrics.jsonl")
+            generate = timed([python, "-m", "finetune", "generate", str(run_dir / "final"), "--prompt", "The",
+                              "--max_new_tokens", "8"], cwd)
+            export = timed([python, "-m", "finetune", "export", str(run_dir), "--output",
+                            str(run_dir / "exported")], cwd)
+            # "step_time_s" keeps fastest_rounds' choice of round on the figure users wait for.
+            return {"case": name, "step_time_s": first_step, "launch_to_first_step_s": first_step,
+                    "generate_s": generate, "export_s": export}
 
-            run_case(next(iter(checkouts)), -1)  # warm the caches (data, tokenizer, bytecode) before timing
-            final = fastest_rounds(list(checkouts), run_case, args.rounds)
-        finally:
-            if args.baseline_ref:
-                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=REPO, capture_output=True)
+        run_case(next(iter(dirs)), -1)  # warm the caches (data, tokenizer, bytecode) before timing
+        final = fastest_rounds(list(dirs), run_case, args.rounds)
     lines = [f"tiny-gpt2, warm caches, fastest of {args.rounds} round(s) per case", "",
              "| checkout | launch to first step, fsdp.yaml x 2 (s) | generate (s) | export (s) |",
              "| --- | --- | --- | --- |"]
@@ -544,7 +563,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="baselines: also time our loop with torch.compile (accelerate's inductor backend)")
     parser.add_argument("--profile", action="store_true", help="also table where each case's step time goes")
-    parser.add_argument("--baseline_ref", default="", help="startup: also time a git worktree of this commit")
+    parser.add_argument("--baseline_ref", default="",
+                        help="startup and loss: also run a git worktree of this commit (before and after)")
     parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
     args = parser.parse_args()
 

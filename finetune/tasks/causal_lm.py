@@ -142,6 +142,7 @@ class CausalLM(Task):
             raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but --model {cfg.model} only "
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
+        models.fuse_activations(model)
         return tokenizer, model
 
     def _check_block_size(self, model: PreTrainedModel) -> None:

@@ -80,33 +80,43 @@ class LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h, t = hidden[rows], targets[rows]
             logits = F.linear(h, weight, bias)  # in autocast's dtype when autocast is on
+            # From here on one [chunk, vocab] fp32 buffer, worked on in place:
+            # scores, then exp(scores - max), then the softmax.
             scores = logits.float()
-            log_norm = torch.logsumexp(scores, dim=-1)
-            nll[rows] = log_norm - scores.gather(1, t[:, None]).squeeze(1)
+            target_scores = scores.gather(1, t[:, None]).squeeze(1)
+            peak = scores.amax(dim=-1, keepdim=True)
+            exp = scores.sub_(peak).exp_()
+            sum_exp = exp.sum(dim=-1)
+            nll[rows] = peak.squeeze(1) + sum_exp.log() - target_scores
             if not (need_hidden or need_weight or need_bias):
                 continue
             # d nll / d logits = softmax - one_hot(target)
-            grad_logits = scores.sub_(log_norm[:, None]).exp_()
+            grad_logits = exp.div_(sum_exp[:, None])
             grad_logits[torch.arange(len(t), device=t.device), t] -= 1
             grad_logits = grad_logits.to(logits.dtype)
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight.to(grad_logits.dtype)
-            if need_weight:
-                grad_weight += grad_logits.t() @ h.to(grad_logits.dtype)
+            if need_weight:  # accumulated in place in fp32: no [vocab, width] temporary per chunk
+                if grad_logits.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h.to(grad_logits.dtype))
+                else:
+                    grad_weight += grad_logits.t() @ h.to(grad_logits.dtype)
             if need_bias:
                 grad_bias += grad_logits.float().sum(dim=0)
         ctx.mark_non_differentiable(nll)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        # Not save_for_backward: these are results, not inputs, and backward
+        # scales them in place and hands them on (a copy would be as large as the weight).
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return nll.sum(), nll
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total, _grad_nll):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        scaled = lambda g, dtype: None if g is None else (g * grad_total).to(dtype)  # noqa: E731
-        return (scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None),
-                scaled(grad_weight, weight_dtype), scaled(grad_bias, bias_dtype), None, None, None)
+        grads, ctx.grads = ctx.grads, None  # only the returned tensors hold them now
+        scaled = [None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        del grads
+        return (*scaled, None, None, None)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The chunked cross-entropy (finetune/tasks/lm_loss.py) against the full
-logits: the same loss, per-position NLL and gradients on every parameter."""
+"""What makes a training step lighter computes the same thing: the chunked
+cross-entropy (finetune/tasks/lm_loss.py) against the full logits, and the
+one-kernel GELU (finetune/models: fuse_activations) against gelu_new."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHea
                           LlamaForCausalLM)
 
 from finetune.errors import UsageError
+from finetune.models import fuse_activations
 from finetune.tasks.lm_loss import can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
 
 VOCAB = 97
@@ -117,3 +119,36 @@ def test_a_model_that_transforms_its_scores_uses_the_full_logits_or_is_refused()
     # Unknown to can_chunk: the model's own output differs from the head's, so it is refused, not silently wrong.
     with pytest.raises(UsageError, match="--loss_chunk_size 0"):
         chunked_head_loss(model, {"input_ids": ids, "use_cache": False}, next_token_targets(ids), 4)
+
+
+def saved_for_backward_bytes(model, ids) -> int:
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())  # storages, so a view of an input is not counted twice
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    return sum(saved)
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_fast"])
+def test_fused_gelu_is_the_same_function_and_keeps_less_for_backward(activation):
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=24, n_layer=2, n_head=2,
+                                       activation_function=activation, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    before = saved_for_backward_bytes(model, ids)
+    logits, grads = model(input_ids=ids).logits.detach(), gradients(model)  # of logits.sum(), as after
+    model.zero_grad(set_to_none=True)
+
+    assert fuse_activations(model) == 2  # one per block
+    assert model.config.activation_function == activation  # exports keep the model's own name
+    after = saved_for_backward_bytes(model, ids)
+    assert_close_to_scale(model(input_ids=ids).logits.detach(), logits)
+    for name, grad in gradients(model).items():
+        assert_close_to_scale(grad, grads[name], name)
+    # Per block, gelu_new keeps 4 to 5 extra [tokens, 4 x width] tensors; the kernel none beyond its input.
+    assert before - after >= 2 * 3 * ids.numel() * 4 * 24 * 4
