@@ -126,7 +126,9 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
     per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
     layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
     if not loss_chunk_size:
-        return layers + tokens * shape.vocab * (compute_bytes + 4 + 4)  # logits, fp32 copy, its gradient
+        # The logits, their fp32 copy and gradient, and the output layer's weight gradient.
+        return (layers + tokens * shape.vocab * (compute_bytes + 4 + 4)
+                + shape.vocab * shape.hidden * compute_bytes)
     # One chunk's logits, fp32 scores and their gradient at a time, and the
     # gradients the chunked loss keeps for backward: the hidden states' and the
     # output layer's (fp32).

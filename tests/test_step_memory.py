@@ -152,3 +152,13 @@ def test_fused_gelu_is_the_same_function_and_keeps_less_for_backward(activation)
         assert_close_to_scale(grad, grads[name], name)
     # Per block, gelu_new keeps 4 to 5 extra [tokens, 4 x width] tensors; the kernel none beyond its input.
     assert before - after >= 2 * 3 * ids.numel() * 4 * 24 * 4
+
+
+def test_diverged_weights_give_a_nan_loss_not_a_refusal():
+    """NaN scores are equal to themselves here: the loop reports the non-finite loss."""
+    model = llama_untied()
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    total, _ = chunked_head_loss(model, {"input_ids": ids, "use_cache": False}, next_token_targets(ids), 4)
+    assert total.isnan()

@@ -160,12 +160,19 @@ def chunked_head_loss(model: torch.nn.Module, inputs: dict, targets: torch.Tenso
             handle.remove()
     if found.last_logits is None:
         return None
-    if logits.shape != found.last_logits.shape or not torch.equal(logits.float(), found.last_logits.float()):
+    if not same_scores(logits, found.last_logits):
         raise UsageError("this model changes its scores after its output layer, which the chunked loss does not "
                          "reproduce; train it with --loss_chunk_size 0 (the full logits)")
     # Empty, so exactly 0: it keeps the model's output in the graph, where FSDP
     # hooks its pre-backward step.
     return found.total + logits.flatten()[:0].sum(), found.nll
+
+
+def same_scores(returned: torch.Tensor, ours: torch.Tensor) -> bool:
+    """Exactly equal (a NaN equals a NaN: diverged weights are the loop's to
+    report, as a non-finite loss), whatever dtype the model returns them in."""
+    return returned is ours or (returned.shape == ours.shape and torch.allclose(
+        returned.float(), ours.float(), rtol=0, atol=0, equal_nan=True))
 
 
 class NoGradient(torch.autograd.Function):
