@@ -162,3 +162,28 @@ def test_diverged_weights_give_a_nan_loss_not_a_refusal():
     ids = torch.randint(0, VOCAB, (2, 8))
     total, _ = chunked_head_loss(model, {"input_ids": ids, "use_cache": False}, next_token_targets(ids), 4)
     assert total.isnan()
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bf16 parameters"])
+def test_in_bf16_the_chunked_loss_follows_the_full_one(precision):
+    """bf16 matmuls as accelerate's autocast (DDP, one process) or FSDP2's
+    bf16 parameters run them; the scores and the loss in fp32 either way."""
+    torch.manual_seed(0)
+    model = llama_untied()
+    if precision == "bf16 parameters":
+        model = model.bfloat16()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    inputs, targets = {"input_ids": ids, "use_cache": False}, next_token_targets(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        full = full_logits_nll(model(**inputs).logits, targets).sum()
+        full.backward()
+        expected = gradients(model)
+        model.zero_grad(set_to_none=True)
+        total, nll = chunked_head_loss(model, inputs, targets, 5)
+        total.backward()
+    assert total.dtype == nll.dtype == torch.float32
+    torch.testing.assert_close(total.detach(), full.detach(), rtol=1e-2, atol=0)
+    for name, grad in gradients(model).items():
+        assert grad.dtype == expected[name].dtype
+        scale = float(expected[name].float().abs().max())
+        torch.testing.assert_close(grad.float(), expected[name].float(), rtol=0, atol=0.05 * scale, msg=name)

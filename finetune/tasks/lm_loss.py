@@ -93,14 +93,16 @@ class LinearCrossEntropy(torch.autograd.Function):
             # d nll / d logits = softmax - one_hot(target)
             grad_logits = exp.div_(sum_exp[:, None])
             grad_logits[torch.arange(len(t), device=t.device), t] -= 1
+            # Back in the logits' dtype, as autograd would have it; these matmuls
+            # run in the dtype the forward one did (autocast casts as it did there).
             grad_logits = grad_logits.to(logits.dtype)
             if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight.to(grad_logits.dtype)
-            if need_weight:  # accumulated in place in fp32: no [vocab, width] temporary per chunk
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:  # accumulated in fp32, in place where the dtypes allow
                 if grad_logits.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h.to(grad_logits.dtype))
+                    grad_weight.addmm_(grad_logits.t(), h)
                 else:
-                    grad_weight += grad_logits.t() @ h.to(grad_logits.dtype)
+                    grad_weight += grad_logits.t() @ h
             if need_bias:
                 grad_bias += grad_logits.float().sum(dim=0)
         ctx.mark_non_differentiable(nll)
