@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune.errors import RankLost, UsageError
+from finetune.memory import MMAP_THRESHOLD_BYTES
 
 
 def fsdp_requested() -> bool:
@@ -109,7 +110,7 @@ def keep_freed_memory_in_process() -> None:
     except OSError:  # not glibc (e.g. musl): leave the allocator alone
         return
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
-    libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+    libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
     libc.mallopt(m_trim_threshold, 256 * 1024 * 1024)
     libc.mallopt(m_top_pad, 64 * 1024 * 1024)
     libc.mallopt(m_arena_max, 2)

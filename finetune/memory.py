@@ -10,6 +10,18 @@ memory. Activations follow the usual transformer estimate (Korthikanti et al.
 2022, with memory-efficient attention): about 34 * hidden bytes per token and
 layer in 16-bit, doubled in fp32, plus the logits (or, with the chunked loss, one
 chunk of them and the gradients it keeps).
+
+A CPU run's peak resident set per rank adds what a process holds beyond those
+tensors, calibrated against measured runs (tests/test_memory_planner.py):
+
+    runtime      the interpreter and the libraries after import (a constant)
+    heap churn   tensors below glibc's mmap threshold (parameters, their
+                 gradients and the optimizer's temporaries) are recycled
+                 through the heap, which keeps its high-water mark; larger
+                 tensors are mapped and unmapped, and cost nothing once freed
+    load         every rank builds the full fp32 model before sharding it
+
+    peak RSS = runtime + max(full model + its shard, tensors + heap churn)
 """
 
 from __future__ import annotations
@@ -27,6 +39,22 @@ from finetune.presets import GPT2_PRESETS
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
 GIB = 1024**3
+MIB = 1024**2
+
+# glibc's mmap threshold as keep_freed_memory_in_process sets it: smaller
+# allocations come from the heap and are reused, larger ones are unmapped on free.
+MMAP_THRESHOLD_BYTES = 32 * MIB
+
+# Calibrated on fp32 CPU runs (torch 2.13, transformers 5.23, glibc 2.36):
+# tiny-gpt2, the GPT-2 124M shape and a 34 M-parameter Llama, on 1, 2 and 3
+# processes; tests/test_memory_planner.py keeps the prediction within 15%.
+RUNTIME_BYTES = 530 * MIB
+# The heap's high-water mark above the live tensors, in fp32 bytes of the
+# parameters held in tensors below the mmap threshold: on one process their
+# gradients and the optimizer's temporaries pass through it; sharded, also
+# the gathered units and their unsharded gradients.
+HEAP_CHURN_ONE_PROCESS = 2.0
+HEAP_CHURN_SHARDED = 3.5
 
 
 @dataclass
@@ -36,6 +64,7 @@ class ModelShape:
     layers: int
     hidden: int
     vocab: int
+    heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
 
 
 def model_shape(name_or_path: str) -> ModelShape:
@@ -68,7 +97,8 @@ def model_shape(name_or_path: str) -> ModelShape:
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
-                      vocab=config.vocab_size)
+                      vocab=config.vocab_size,
+                      heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES))
 
 
 @dataclass
@@ -110,6 +140,7 @@ class Estimate:
     optimizer: int
     gathered: int
     activations: int
+    peak_rss: int | None = None  # a CPU run's resident set per rank; None where the strategy needs a GPU
 
     @property
     def state(self) -> int:
@@ -145,7 +176,7 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
     # Gathered copies: two units (the current one and the prefetched next one).
     gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
     shard = -(-p // n)  # ceil: FSDP pads the last shard
-    return [
+    estimates = [
         Estimate("DDP", 4 * p, 4 * p, 8 * p, p * 2 if mixed_precision == "bf16" else 0, acts),
         Estimate("FSDP full shard", 4 * shard, 4 * shard, 8 * shard, gather_units, acts),
         Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * shard, 8 * shard, p * compute if n > 1 else 0, acts),
@@ -154,15 +185,27 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
                                   loss_chunk_size=loss_chunk_size)),
         Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
     ]
+    for e in estimates[:-1]:  # offload needs a GPU
+        e.peak_rss = cpu_peak_rss(shape, e, n)
+    return estimates
+
+
+def cpu_peak_rss(shape: ModelShape, e: Estimate, num_processes: int) -> int:
+    """What a CPU rank's resident set peaks at (see the module docstring)."""
+    sharded = num_processes > 1 and e.strategy != "DDP"
+    churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
+    load = 4 * shape.params + (e.params if sharded else 0)
+    return RUNTIME_BYTES + max(load, e.total + int(churn))
 
 
 def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None) -> str:
     lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32); largest FSDP unit "
              f"{shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
-             "| strategy | params | grads | AdamW state | gathered units | activations | total | fits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| strategy | params | grads | AdamW state | gathered units | activations | total | peak RSS, CPU run | fits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in estimates:
         fits = "-" if device_memory is None else ("yes" if e.total <= device_memory else "no")
+        rss = "GPU only" if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
-                     f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {fits} |")
+                     f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
     return "\n".join(lines)

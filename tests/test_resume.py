@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import CONFIGS, REPO, check_ok, common_args, eval_rows, free_port, run_cli, train_rows
+from test_memory_planner import assert_predicted
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +129,7 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == world_size and summary["distributed_type"] == "FSDP"
     assert max(summary["state_bytes_per_rank"]) == pytest.approx(predicted_fsdp_state(world_size), rel=0.10)
+    assert_predicted(summary, "tiny-gpt2", world_size, batch=8 if world_size == 1 else 4, block_size=64)
 
 
 def predicted_fsdp_state(world_size: int) -> int:

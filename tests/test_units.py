@@ -321,6 +321,10 @@ def test_estimate_memory_says_what_fits(capsys):
     assert "| 124,439,808 | 124,439,808 | 248,879,616 |" in rows["FSDP full shard"]
     assert rows["DDP"].rstrip().endswith("| no |") and rows["FSDP full shard"].rstrip().endswith("| yes |")
     assert "runs: FSDP SHARD_GRAD_OP" in out
+    # A CPU run's resident set: more than the tensors (the libraries, the heap); offload needs a GPU.
+    assert "| peak RSS, CPU run |" in out and "| GPU only |" in rows["FSDP + CPU offload (state in CPU RAM)"]
+    total, rss = (int(rows["FSDP full shard"].split("|")[i].split("(")[0].replace(",", "")) for i in (7, 8))
+    assert rss > total
 
 
 def test_estimate_memory_of_a_non_transformer_is_one_line(capsys):
