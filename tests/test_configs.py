@@ -60,13 +60,13 @@ def test_config_trains_checkpoints_resumes_and_exports(config, nproc, expected_t
 
 
 def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_corpus):
-    """Larger activations (16 x 256 tokens per rank, 4 layers), so that the
+    """Larger activations (8 x 256 tokens per rank, 4 layers), so that the
     difference shows in the bytes torch's allocator holds for a training step,
     on every rank (the profiler's accounting of the third step: process RSS
     mixes in tokenizer training, evaluation and the final save). The
     checkpointed model's checkpoint then resumes (its parameter names carry the wrapper)."""
     args = ["--model", "small-gpt2", "--dataset", str(small_corpus), "--block_size", "256",
-            "--per_device_batch_size", "16", "--max_steps", "3", "--sample_prompt", "", "--max_eval_batches", "1",
+            "--per_device_batch_size", "8", "--max_steps", "3", "--sample_prompt", "", "--max_eval_batches", "1",
             "--checkpoint_every", "3", "--profile_steps", "1"]
     runs = {}
     for config in ("fsdp.yaml", "fsdp_activation_checkpointing.yaml"):
