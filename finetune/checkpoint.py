@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.config import TrainConfig, resume_changes
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
+from finetune.models import lora
 from finetune.model_dir import tied_duplicates, write_model_files
 from finetune.report import say
 from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
@@ -167,6 +169,8 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
     stored = saved_shapes(checkpoint_dir)
     for live_name, param in model.named_parameters():
         name = canonical_name(live_name)
+        if name not in stored and not param.requires_grad:
+            continue  # a frozen base parameter: read from --model, not from checkpoints
         if name not in stored:
             raise UsageError(f"checkpoint {checkpoint_dir} has no parameter {name}: it was written for another "
                              "architecture; resume with the run's own --model")
@@ -209,27 +213,42 @@ def check_resumable(cfg: TrainConfig) -> None:
         resume_changes(saved_config(checkpoint), cfg)
 
 
-def store_tied_weights_once(model: torch.nn.Module) -> None:
-    """A tied parameter (an output layer sharing the input embedding) is in
-    the state dict under each of its names, and DCP writes every one: the
-    embedding twice (+21% of SmolLM2-135M's checkpoint). Saved under its first
-    name only; a load puts the loaded tensor back under the other names (it is
-    one parameter: loading it once restores all of them, and the tie)."""
-    duplicates = tied_duplicates(model)
-    if not duplicates:
-        return
+class StoredState:
+    """What a checkpoint leaves out of the model's state dict, and how a load
+    puts it back, while `active` (a save or a load of this manager):
+    - a tied parameter (an output layer sharing the input embedding) is in the
+      state dict under each of its names, and DCP would write every one (+21%
+      of SmolLM2-135M's checkpoint): kept under its first name only, and
+      loaded once under it, which restores the tie;
+    - frozen parameters (a LoRA run's base) never change: they come from
+      --model, so a load keeps the live ones.
+    Everything else (the end-of-run gather, exports) sees the whole state."""
 
-    def drop_duplicates(module, state_dict, prefix, local_metadata):
-        for name in duplicates:
+    def __init__(self, model: torch.nn.Module):
+        self.active = False
+        self.duplicates = tied_duplicates(model)
+        self.frozen = {canonical_name(name) for name, p in model.named_parameters() if not p.requires_grad}
+        self.live = model
+        # torch marks its hooks with an attribute, which bound methods cannot take: wrap them.
+        model.register_state_dict_post_hook(lambda *args: self._leave_out(*args))
+        model.register_load_state_dict_pre_hook(lambda *args: self._put_back(*args))
+
+    def _leave_out(self, module, state_dict, prefix, local_metadata):
+        if not self.active:
+            return
+        for name in [*self.duplicates, *self.frozen]:
             state_dict.pop(prefix + name, None)
 
-    def restore_duplicates(module, state_dict, prefix, *args):
-        for name, first in duplicates.items():
+    def _put_back(self, module, state_dict, prefix, *args):
+        if not self.active:
+            return
+        if self.frozen:
+            live = {canonical_name(n): p for n, p in self.live.named_parameters()}
+            for name in self.frozen:
+                state_dict.setdefault(prefix + name, live[name])
+        for name, first in self.duplicates.items():
             if prefix + first in state_dict:
                 state_dict.setdefault(prefix + name, state_dict[prefix + first])
-
-    model.register_state_dict_post_hook(drop_duplicates)
-    model.register_load_state_dict_pre_hook(restore_duplicates)
 
 
 class CheckpointManager:
@@ -239,10 +258,14 @@ class CheckpointManager:
     weights (HF config, generation config, tokenizer)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
-                 every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None):
+                 every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
+                 base_record: dict | None = None):
         self.accelerator = accelerator
         unwrapped = accelerator.unwrap_model(model)
-        store_tied_weights_once(unwrapped)
+        self.stored = StoredState(unwrapped)
+        # LoRA runs: the adapters' peft config and which base they belong to, written next to the HF config.
+        self.adapter_config = getattr(unwrapped, "peft_config", {}).get(lora.ADAPTER_NAME)
+        self.base_record = base_record
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.every_epochs = every_epochs
@@ -298,7 +321,8 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{target.name}"
         try:
             on_every_rank(acc, lambda: self._make_dir(tmp))
-            on_every_rank(acc, lambda: acc.save_state(str(tmp)))
+            with self._own_state():
+                on_every_rank(acc, lambda: acc.save_state(str(tmp)))
             on_every_rank(acc, lambda: self._complete(tmp, target, progress))
         except WriteFailed as e:
             # torch.save's own words for a full disk are cryptic: look at the disk before freeing the temporary dir.
@@ -314,6 +338,14 @@ class CheckpointManager:
         say(acc, f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
 
+    @contextmanager
+    def _own_state(self):
+        self.stored.active = True
+        try:
+            yield
+        finally:
+            self.stored.active = False
+
     def _make_dir(self, tmp: Path) -> None:
         if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
@@ -328,6 +360,9 @@ class CheckpointManager:
         (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
+        if self.adapter_config is not None:
+            self.adapter_config.save_pretrained(str(tmp / MODEL_CONFIG_DIR))
+            (tmp / MODEL_CONFIG_DIR / lora.BASE_RECORD).write_text(json.dumps(self.base_record))
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
         if target.exists():  # not this run's (start_timeline moved its predecessors aside)
             self._set_aside([target])
@@ -351,8 +386,12 @@ class CheckpointManager:
             say(acc, f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
                       "for damage")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), acc.distributed_type == DistributedType.FSDP)
+        if self.base_record is not None:
+            recorded = lora.read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / lora.BASE_RECORD)
+            lora.check_same_base(recorded, self.base_record, checkpoint_dir)
         start = time.perf_counter()
-        acc.load_state(str(checkpoint_dir))
+        with self._own_state():
+            acc.load_state(str(checkpoint_dir))
         say(acc, f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:
             say(acc, f"checkpoint written by {progress.world_size} rank(s), resuming on {acc.num_processes}: "

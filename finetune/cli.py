@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              TrainConfig, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
@@ -29,6 +29,7 @@ from finetune.tasks import REGISTRY
 # `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
 OPTION_GROUPS = {
     "model": ("task", "model", "trust_remote_code"),
+    "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "data": ("dataset", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
              "text_sample_by",
              "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
@@ -59,6 +60,8 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
         default = getattr(defaults, f.name)
         fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
                        if f.name in FINE_TUNING_DEFAULTS else "")
+        if f.name == "learning_rate":
+            fine_tuning += f", with --peft lora: {LORA_LEARNING_RATE!r}"
         by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
                           if f.name in entry.defaults)
         help_text = f"{f.metadata['help']} (default: {default!r}{fine_tuning}{by_task})".replace("%", "%%")
@@ -186,8 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max_shard_size", type=byte_size, default="2GB",
                         help="split the weights into files of at most this size (default: '2GB')")
     export.add_argument("--model", default=None, metavar="NAME_OR_PATH",
-                        help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune "
-                             "(default: the checkpoint's own model_config/)")
+                        help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune; "
+                             "for a LoRA run, the base to merge into (default: the checkpoint's own model_config/, "
+                             "and a LoRA run's recorded --model, checked against the base it was trained on)")
+    lora_output = export.add_mutually_exclusive_group()
+    lora_output.add_argument("--merge", action="store_true",
+                             help="LoRA runs: a full HF model dir, the adapters merged into the base (the default)")
+    lora_output.add_argument("--adapter_only", action="store_true",
+                             help="LoRA runs: adapter_config.json + adapter_model.safetensors, for "
+                                  "PeftModel.from_pretrained(base, DIR) (default: False)")
     export.set_defaults(func=cmd_export, subparser=export)
 
     generate = sub.add_parser("generate", help="generate text from a model dir")
@@ -318,7 +328,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     threads = use_cpu_threads()
     out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
-                            max_shard_size=args.max_shard_size)
+                            max_shard_size=args.max_shard_size, adapter_only=args.adapter_only)
     print(f"exported {args.source} -> {out}")
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0

@@ -31,6 +31,9 @@ REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
 DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
+PEFT_METHODS = ("none", "lora", "qlora")
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
@@ -110,6 +113,13 @@ class TrainConfig:
     max_eval_samples: int = _opt(0, "use only the first N held-out samples (0 = all)")
     validation_split: float = _opt(0.05, "fraction held out for evaluation when the data has no validation/test split")
     block_size: int = _opt(128, "tokens per training sequence (causal-lm)")
+    peft: str = _opt("none", "none (train every parameter), lora (train LoRA adapters on a frozen base, through "
+                     "peft) or qlora (LoRA on a 4-bit base; GPUs only)", choices=PEFT_METHODS)
+    lora_r: int = _opt(8, "LoRA rank")
+    lora_alpha: float = _opt(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r")
+    lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")
+    lora_target_modules: str = _opt("all-linear", "the modules that get adapters: all-linear (every linear layer but "
+                                    "the output layer) or comma-separated module names (q_proj,v_proj; c_attn)")
     trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
 
     # where
@@ -173,7 +183,7 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
+        positive = ["lora_r", "block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                         "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
@@ -190,6 +200,12 @@ class TrainConfig:
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}; pass e.g. 0.05")
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise UsageError(f"--lora_alpha must be a positive number, got {self.lora_alpha}; pass e.g. 16")
+        if not self.lora_target_modules.strip(", "):
+            raise UsageError("--lora_target_modules is empty; pass all-linear or module names such as q_proj,v_proj")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise UsageError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}; pass e.g. 0.03")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -205,7 +221,7 @@ class TrainConfig:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
-                              ("log_format", LOG_FORMATS)):
+                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 
@@ -342,11 +358,16 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
                 value = "cosine_with_min_lr"  # what "cosine" meant under the old name
             values[name] = value
     values.update(overrides)
+    if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in values]):
+        raise UsageError(f"--{given[0]} applies to LoRA runs and this run trains every parameter; add --peft lora, "
+                         f"or drop --{given[0]}")
     task = values.get("task", TrainConfig.task)
     if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
         entry = REGISTRY[task]
         model = values.get("model", entry.defaults.get("model", TrainConfig.model))
-        values = {**entry.defaults, **({} if from_scratch(model) else FINE_TUNING_DEFAULTS), **values}
+        fine_tuning = {} if from_scratch(model) else {
+            **FINE_TUNING_DEFAULTS, **({"learning_rate": LORA_LEARNING_RATE} if values.get("peft", "none") != "none" else {})}
+        values = {**entry.defaults, **fine_tuning, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()
     return cfg

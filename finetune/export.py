@@ -19,9 +19,11 @@ import finetune.models  # noqa: F401  (registers the lecture CNN's config with A
 
 from finetune.checkpoint import (MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_checkpoints, read_progress,
                                  saved_config)
-from finetune.config import data_options
+from finetune.config import data_options, load_config
 from finetune.errors import UsageError
-from finetune.model_dir import Weights, check_output_dir, write_model_dir
+from finetune.model_dir import Weights, atomic_dir, check_output_dir, write_model_dir
+from finetune.models.gguf import converted_dir, is_gguf
+from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
 from finetune.tasks import task_for_config
 from finetune.verify import check_dcp_dir, verify_manifest
 
@@ -101,7 +103,9 @@ def run_data(checkpoint_dir: Path) -> dict | None:
 
 
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
-                      model: str | None = None, max_shard_size: int = 2 * 10**9) -> Path:
+                      model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False) -> Path:
+    """The checkpoint as a HF model dir; a LoRA run's with its adapters merged
+    into the base, or (adapter_only) as a peft adapter dir."""
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
@@ -110,6 +114,11 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     # What the export reads, against the checksums the checkpoint recorded (checkpoints without a manifest predate them).
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR))
     model_files = checkpoint_dir / MODEL_CONFIG_DIR
+    adapters = (model_files / ADAPTER_CONFIG).is_file()  # a LoRA run's: the adapters, without their base
+    if adapter_only and not adapters:
+        raise UsageError(f"{checkpoint_dir} is a full fine-tune's checkpoint: it holds the whole model and no "
+                         "adapters; export it without --adapter_only")
+    base_model, model = (model, None) if adapters else (None, model)  # --model: the base to merge into, for LoRA
     config_source = model or (str(model_files) if model_files.is_dir() else None)
     if config_source is None:
         raise UsageError(f"{checkpoint_dir} has no {MODEL_CONFIG_DIR}/ (not written by finetune); pass --model with "
@@ -126,11 +135,48 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
         generation_config = GenerationConfig.from_pretrained(config_source)
     except OSError:
         generation_config = None
+    if adapters and adapter_only:
+        return write_adapter_dir(checkpoint_dir, checkpoint_weights(weights), output)
+    model_weights = (merged_weights(checkpoint_dir, checkpoint_weights(weights), tokenizer, base_model) if adapters
+                     else checkpoint_weights(weights))
     try:
-        return write_model_dir(checkpoint_weights(weights), config, output, tokenizer=tokenizer, generation_config=generation_config,
+        return write_model_dir(model_weights, config, output, tokenizer=tokenizer, generation_config=generation_config,
                                run_data=run_data(checkpoint_dir), dtype=dtype,
                                max_shard_size=max_shard_size, overwrite=overwrite)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UsageError(f"could not write {output} ({reason}); it was left as it was: free space or choose another "
                          "--output") from None
+
+
+def write_adapter_dir(checkpoint_dir: Path, adapter: Weights, output: Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors, which `PeftModel.from_pretrained(base, output)` loads."""
+    from peft import LoraConfig
+
+    from finetune.models.lora import read_base_record, write_adapter
+
+    config = LoraConfig.from_pretrained(str(checkpoint_dir / MODEL_CONFIG_DIR))
+    base = read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / BASE_RECORD)
+    with atomic_dir(output) as tmp:
+        write_adapter(adapter.fetch(list(adapter.specs)), config, tmp, base_model=base.get("model", ""))
+    return output
+
+
+def merged_weights(checkpoint_dir: Path, adapter: Weights, tokenizer, base_model: str | None) -> dict[str, torch.Tensor]:
+    """The run's base (or --model), checked against the one the adapters were
+    trained on, with the adapters merged in by peft. The base is held whole in
+    memory once, in fp32."""
+    from peft import LoraConfig
+
+    from finetune.models.lora import base_record, check_same_base, merged_state_dict, read_base_record
+    from finetune.tasks.base import build_task
+
+    recorded = read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / BASE_RECORD)
+    cfg = load_config(checkpoint_dir / "run_config.yaml", {"model": base_model} if base_model else {})
+    task = build_task(cfg)
+    if is_gguf(cfg.model):
+        task.model_source = str(converted_dir(cfg.model))
+    base = task.base_model(tokenizer)
+    check_same_base(recorded, base_record(task.model_source, base), checkpoint_dir)
+    config = LoraConfig.from_pretrained(str(checkpoint_dir / MODEL_CONFIG_DIR))
+    return merged_state_dict(base, adapter.fetch(list(adapter.specs)), config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -121,6 +122,27 @@ def plan_files(sizes: dict[str, int], max_shard_size: int) -> list[list[str]]:
     return [*files, current] if current else files
 
 
+@contextmanager
+def atomic_dir(out_dir: Path):
+    """A temporary dir next to out_dir, renamed to it (replacing it) when the
+    block completes and removed when it fails: out_dir is never half written."""
+    remove_dead_temporaries(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
+    try:
+        yield tmp
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: PretrainedConfig, out_dir: str | Path, *,
                     tokenizer: PreTrainedTokenizerBase | None = None,
                     generation_config: GenerationConfig | None = None, run_data: dict | None = None,
@@ -141,14 +163,7 @@ def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: Pretrain
     filenames = ([f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
                  if len(files) > 1 else ["model.safetensors"])
 
-    remove_dead_temporaries(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
-    try:
+    with atomic_dir(out_dir) as tmp:
         for filename, group in zip(filenames, files):
             tensors = {name: tensor.to(stored_dtype(name)).contiguous()  # no copy when it already is
                        for name, tensor in weights.fetch(group).items()}
@@ -163,10 +178,4 @@ def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: Pretrain
         write_model_files(tmp, config, tokenizer, generation_config)
         if run_data:
             (tmp / RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

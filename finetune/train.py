@@ -43,6 +43,7 @@ from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
+from finetune.models.lora import merged_state_dict
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
 from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
@@ -185,7 +186,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes)},
-            sort_keys=False), tokenizer=data.tokenizer)
+            sort_keys=False), tokenizer=data.tokenizer, base_record=task.base_record)
     run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
@@ -426,15 +427,21 @@ def finish(run: Run) -> dict:
 
 
 def write_final_model(run: Run) -> Path:
-    """Consolidate the full state on rank 0 and write the HF model dir."""
+    """Consolidate the full state on rank 0 and write the HF model dir (for
+    LoRA runs, the base with the adapters merged in, as `merge_and_unload` does)."""
     acc = run.accelerator
     # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
     state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
     final_dir = run.run_dir / "final"
+    hf_config = acc.unwrap_model(run.model).config
+    if acc.is_main_process and run.checkpoints.adapter_config is not None:  # LoRA: the adapters merged into the base
+        with torch.device("meta"):
+            base = run.task.entry.auto().from_config(hf_config)
+        state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
 
     def write() -> None:
         if acc.is_main_process:
-            write_model_dir(state_dict, acc.unwrap_model(run.model).config, final_dir, tokenizer=run.data.tokenizer,
+            write_model_dir(state_dict, hf_config, final_dir, tokenizer=run.data.tokenizer,
                             run_data=data_options(run.cfg.to_dict(), acc.num_processes), overwrite=True)
     try:
         on_every_rank(acc, write)

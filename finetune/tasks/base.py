@@ -64,6 +64,7 @@ class Task:
         self.cfg = cfg
         self.model_source = cfg.model  # where --model is read from (a GGUF file's converted dir)
         self._metric: "evaluate.EvaluationModule | None" = None
+        self.base_record: dict | None = None  # LoRA runs: the frozen base's origin, shapes and fingerprint
 
     @property
     def entry(self) -> TaskEntry:

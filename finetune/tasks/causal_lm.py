@@ -14,6 +14,7 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
+from finetune.models import lora
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
 from finetune.data.sources import limit_samples
@@ -127,10 +128,9 @@ class CausalLM(Task):
                 tok.save_pretrained(tokenizer_dir)
             accelerator.wait_for_everyone()
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-            set_seed(cfg.seed)  # every rank initialises the same weights before sharding
-            model = models.build_gpt2(GPT2_PRESETS[cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+            model = self.base_model(tokenizer)
         else:
-            model = self.pretrained_model()
+            model = self.base_model(tokenizer=None)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
             except (OSError, ValueError) as e:
@@ -143,7 +143,29 @@ class CausalLM(Task):
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
         models.fuse_activations(model)
-        return tokenizer, model
+        return tokenizer, self._with_adapters(model)
+
+    def base_model(self, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedModel:
+        """The weights a run starts from: a preset built from the seed (the same on
+        every rank and in every later export), or --model's."""
+        if self.cfg.model in GPT2_PRESETS:
+            set_seed(self.cfg.seed)
+            return models.build_gpt2(GPT2_PRESETS[self.cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+        return self.pretrained_model()
+
+    def _with_adapters(self, model: PreTrainedModel) -> PreTrainedModel:
+        """--peft lora: adapters on a frozen base, whose origin the checkpoints record."""
+        cfg = self.cfg
+        if cfg.peft == "none":
+            return model
+        if cfg.peft == "qlora":
+            if not torch.cuda.is_available():
+                raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use "
+                                 "--peft lora")
+            raise UsageError("--peft qlora is not available in this version; use --peft lora")
+        self.base_record = lora.base_record(self.model_source, model)
+        return lora.add_adapters(model, lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                                         cfg.lora_target_modules))
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         if self.cfg.block_size > model.config.max_position_embeddings:

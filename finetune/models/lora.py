@@ -1,0 +1,165 @@
+"""LoRA adapters through peft: adding them to a model, the base's fingerprint,
+an adapter dir that `PeftModel.from_pretrained` loads, and merging adapters
+into their base.
+
+Nothing here knows of training or sharding: the training loop sees a model
+whose base parameters are frozen (requires_grad False) and whose adapters are
+not, and checkpoint.py stores only the latter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from finetune.errors import UsageError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_RECORD = "peft_base.json"  # in a checkpoint's model_config/: which base the adapters belong to
+ADAPTER_NAME = "default"        # peft's name for the one adapter; its saved files leave it out of the keys
+
+
+def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
+    """peft's LoraConfig for our options: `all-linear` (every linear layer but
+    the output layer, peft's shorthand) or comma-separated module names."""
+    from peft import LoraConfig
+
+    targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",") if n.strip()]
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+
+
+def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
+    """The model with LoRA adapters on its target modules and every other
+    parameter frozen; a target that matches nothing is the user's to fix."""
+    from peft import get_peft_model
+
+    try:
+        with warnings.catch_warnings():  # GPT-2's Conv1D layers: peft sets fan_in_fan_out itself, and says so
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+            return get_peft_model(model, config)
+    except ValueError as e:
+        if "not found in the base model" not in str(e):
+            raise
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+        asked = config.target_modules if isinstance(config.target_modules, str) else ",".join(sorted(config.target_modules))
+        raise UsageError(f"--lora_target_modules {asked} matches no module of the model; "
+                         f"its linear layers are {', '.join(names)} (or pass all-linear)") from None
+
+
+def saved_name(live_name: str) -> str:
+    """An adapter tensor's key in peft's saved files (peft drops the adapter's name)."""
+    return live_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def write_adapter(adapter: dict[str, torch.Tensor], config, out_dir: Path, base_model: str) -> None:
+    """adapter_config.json + adapter_model.safetensors, as `PeftModel.save_pretrained` writes them."""
+    from safetensors.torch import save_file
+
+    config = type(config).from_pretrained(config) if isinstance(config, (str, Path)) else config
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(out_dir))
+    save_file({saved_name(name): t.contiguous() for name, t in adapter.items()}, str(out_dir / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+
+
+def merged_state_dict(base: PreTrainedModel, state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """peft's own merge (`merge_and_unload`) of adapters into `base`. `state`
+    holds peft's names: the adapters alone (base holds real weights), or a
+    PeftModel's whole state (base may be on the meta device); its tensors are
+    taken as they are, not copied."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+        peft_model = get_peft_model(base, config)
+    missing, unexpected = peft_model.load_state_dict(state, strict=False, assign=True)
+    absent = [name for name in missing if ".lora_" in name]
+    if unexpected or absent:
+        raise UsageError(f"the adapters do not fit the base model ({(unexpected or absent)[0]} does not match); merge "
+                         "with the base the run was trained from (--model)")
+    base.tie_weights()  # assign replaced the tied tensors one by one
+    return peft_model.merge_and_unload().state_dict()
+
+
+# --- which base the adapters belong to -------------------------------------------------------------
+
+SAMPLE_BYTES = 1 << 20     # read this much at each sampled offset of a large file
+SAMPLES_PER_FILE = 16
+WHOLE_FILE_BYTES = 64 << 20  # hash files up to this size completely
+
+
+def _file_digest(path: Path, digest) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        if size <= WHOLE_FILE_BYTES:
+            digest.update(f.read())
+            return
+        for i in range(SAMPLES_PER_FILE):  # the header (shapes, dtypes) first, then evenly spaced samples to the end
+            f.seek((size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def base_fingerprint(source: str, model: PreTrainedModel) -> str:
+    """A cheap fingerprint of the weights a run's base came from: of its files
+    for a local dir or file (small files whole, large ones by their header and
+    16 samples of 1 MiB), of the Hub commit for a Hub id, and of the weights
+    themselves for a preset built from a seed (small by definition)."""
+    digest = hashlib.sha256()
+    path = Path(source)
+    if path.is_file():
+        _file_digest(path, digest)
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json"))
+        for file in files:
+            _file_digest(file, digest)
+    elif commit := getattr(model.config, "_commit_hash", None):
+        digest.update(f"hub:{source}@{commit}".encode())
+    else:
+        for name, tensor in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def base_shapes(model: PreTrainedModel) -> dict[str, list[int]]:
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def base_record(source: str, model: PreTrainedModel) -> dict:
+    """What a LoRA checkpoint keeps of its base (BASE_RECORD): where it came from, its shapes and fingerprint."""
+    return {"model": source, "shapes": base_shapes(model), "fingerprint": base_fingerprint(source, model)}
+
+
+def check_same_base(recorded: dict, current: dict, where: Path) -> None:
+    """Adapters only mean something on the base they were trained on: the
+    `base_record` of this run's base against the one `where` holds."""
+    theirs, ours = recorded.get("shapes") or {}, current["shapes"]
+    if theirs != ours:
+        diff = next((n for n in {**theirs, **ours} if theirs.get(n) != ours.get(n)), "?")
+        raise UsageError(f"--model {current['model']} is not the base the adapters in {where} were trained on ({diff} "
+                         f"is {theirs.get(diff)} there and {ours.get(diff)} here); pass the run's base, "
+                         f"{recorded.get('model')}")
+    if recorded.get("fingerprint") != current["fingerprint"]:
+        raise UsageError(f"the weights of --model {current['model']} are not those the adapters in {where} were "
+                         f"trained on (same shapes, other files); pass the run's base, {recorded.get('model')}, as "
+                         "it was")
+
+
+def read_base_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UsageError(f"{path} is missing or damaged; it says which base model the adapters belong to: resume or "
+                         "export from another checkpoint") from None
+    return record if isinstance(record, dict) else {}
