@@ -5,7 +5,7 @@
     finetune export CHECKPOINT_OR_RUN_DIR --output DIR [--dtype float32|bfloat16|float16]
     finetune generate MODEL --prompt TEXT [--chat]
     finetune evaluate MODEL --dataset ID_OR_PATH   perplexity or accuracy
-    finetune estimate-memory --model NAME_OR_PATH --num_processes N
+    finetune estimate-memory --model NAME_OR_PATH --num_processes N [--peft lora --lora_r R]
     finetune configs [--path NAME]          the accelerate configs shipped with finetune
 
 Bad input ends with one line naming the problem and the fix, and exit code 2.
@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--loss_chunk_size", type=int, default=TrainConfig().loss_chunk_size,
                         help="as for train: positions per chunk of the loss, 0 = the full logits "
                              f"(default: {TrainConfig().loss_chunk_size})")
+    memory.add_argument("--peft", choices=["none", "lora"], default="none",
+                        help="lora: a frozen base (weights only) and trainable adapters (default: 'none')")
+    memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
+                        help=f"as for train (default: {TrainConfig().lora_r})")
+    memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
+                        help=f"as for train (default: {TrainConfig().lora_target_modules!r})")
     memory.add_argument("--mixed_precision", choices=["bf16", "no"], default=None,
                         help="compute dtype (default: the accelerate config's, else bf16)")
     memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
@@ -376,7 +382,15 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
-    shape = model_shape(args.model)
+    lora = None
+    if args.peft == "lora":
+        from finetune.models.lora import lora_config
+
+        defaults = TrainConfig()
+        lora = lora_config(args.lora_r, defaults.lora_alpha, defaults.lora_dropout, args.lora_target_modules)
+    elif args.lora_r != TrainConfig().lora_r or args.lora_target_modules != TrainConfig().lora_target_modules:
+        raise UsageError("--lora_r and --lora_target_modules apply to --peft lora; add it or drop them")
+    shape = model_shape(args.model, lora)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size)
     print(render(shape, estimates, num_processes, args.device_memory))

@@ -200,6 +200,8 @@ class TrainConfig:
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
+        if self.peft != "none" and self.task != "causal-lm":
+            raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft none")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}; pass e.g. 0.05")
         if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
@@ -358,7 +360,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
                 value = "cosine_with_min_lr"  # what "cosine" meant under the old name
             values[name] = value
     values.update(overrides)
-    if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in values]):
+    # Asked for on the command line: a run config file records every option, LoRA's defaults included.
+    if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):
         raise UsageError(f"--{given[0]} applies to LoRA runs and this run trains every parameter; add --peft lora, "
                          f"or drop --{given[0]}")
     task = values.get("task", TrainConfig.task)

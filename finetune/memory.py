@@ -2,7 +2,8 @@
 gathered FSDP units and activations will take under each strategy.
 
 Persistent state with AdamW and fp32 master weights is 16 bytes per parameter
-(4 weights + 4 gradients + 8 moments). DDP keeps all of it on every device;
+(4 weights + 4 gradients + 8 moments); with LoRA, the frozen base has only its
+4 bytes of weights, and the adapters the whole 16. DDP keeps all of it on every device;
 FSDP keeps 1/N of it and, while a unit computes, a gathered copy of that unit in
 the compute dtype (two units with prefetch). SHARD_GRAD_OP keeps every unit
 gathered from forward to backward. Offload moves the persistent state to CPU
@@ -65,12 +66,14 @@ class ModelShape:
     hidden: int
     vocab: int
     heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
+    trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
 
 
-def model_shape(name_or_path: str) -> ModelShape:
+def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
-    are estimated."""
+    are estimated. With a peft LoraConfig, the adapters peft would add are
+    counted too, and only they are trainable."""
     causal_lm = REGISTRY["causal-lm"]
     if name_or_path in GPT2_PRESETS:
         config = GPT2Config(**GPT2_PRESETS[name_or_path])
@@ -89,6 +92,10 @@ def model_shape(name_or_path: str) -> ModelShape:
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     with torch.device("meta"):
         model = causal_lm.auto().from_config(config)
+    if lora_config is not None:
+        from finetune.models.lora import add_adapters
+
+        model = add_adapters(model, lora_config)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -96,6 +103,7 @@ def model_shape(name_or_path: str) -> ModelShape:
     root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
+                      trainable=sum(p.numel() for p in unique.values() if p.requires_grad),
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES))
@@ -171,16 +179,16 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0) -> list[Estimate]:
     n = num_processes
     compute = 2 if mixed_precision == "bf16" else 4
-    p = shape.params
+    p, t = shape.params, shape.trainable or shape.params
     acts = activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size)
     # Gathered copies: two units (the current one and the prefetched next one).
     gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
-    shard = -(-p // n)  # ceil: FSDP pads the last shard
+    shard, trained = -(-p // n), -(-t // n)  # ceil: FSDP pads the last shard
     estimates = [
-        Estimate("DDP", 4 * p, 4 * p, 8 * p, p * 2 if mixed_precision == "bf16" else 0, acts),
-        Estimate("FSDP full shard", 4 * shard, 4 * shard, 8 * shard, gather_units, acts),
-        Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * shard, 8 * shard, p * compute if n > 1 else 0, acts),
-        Estimate("FSDP + activation checkpointing", 4 * shard, 4 * shard, 8 * shard, gather_units,
+        Estimate("DDP", 4 * p, 4 * t, 8 * t, p * 2 if mixed_precision == "bf16" else 0, acts),
+        Estimate("FSDP full shard", 4 * shard, 4 * trained, 8 * trained, gather_units, acts),
+        Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * trained, 8 * trained, p * compute if n > 1 else 0, acts),
+        Estimate("FSDP + activation checkpointing", 4 * shard, 4 * trained, 8 * trained, gather_units,
                  activation_bytes(shape, batch, block_size, compute, checkpointing=True,
                                   loss_chunk_size=loss_chunk_size)),
         Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
@@ -199,7 +207,9 @@ def cpu_peak_rss(shape: ModelShape, e: Estimate, num_processes: int) -> int:
 
 
 def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None) -> str:
-    lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32); largest FSDP unit "
+    trainable = (f", of which {shape.trainable:,} trainable adapters ({100 * shape.trainable / shape.params:.2f}%)"
+                 if shape.trainable and shape.trainable < shape.params else "")
+    lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32){trainable}; largest FSDP unit "
              f"{shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
              "| strategy | params | grads | AdamW state | gathered units | activations | total | peak RSS, CPU run | fits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -43,7 +43,7 @@ from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
 from finetune.model_dir import write_model_dir
-from finetune.models.lora import merged_state_dict
+from finetune.models.lora import check_supported_here, merged_state_dict
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
 from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
@@ -115,6 +115,7 @@ class StepResult:
 def train(cfg: TrainConfig) -> dict:
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
+    check_supported_here(cfg.peft)
     run_dir = Path(cfg.output_dir)
     fresh_run_dir = not run_dir.exists()
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
@@ -211,10 +212,13 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
                          f"{task.batch_size_options}")
+    # Each loader draws from its own generator: a new iterator (every epoch, every
+    # evaluation, the first after a resume) would otherwise take a number from
+    # the global RNG and shift every dropout mask after it.
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True,
-                              collate_fn=data.collate)
+                              collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
     eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_eval_batch_size or cfg.per_device_batch_size,
-                             collate_fn=data.collate)
+                             collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
     return accelerator.prepare(train_loader, eval_loader)
 
 
@@ -264,7 +268,13 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
                   f"{run.shards.total_params:,} parameters")
     else:
         layout = f"1 process, {run.shards.total_params:,} parameters (no sharding)"
+    if (trainable := trainable_params(run.model)) < run.shards.total_params:
+        layout += f", of which {trainable:,} trainable ({run.cfg.peft} adapters on a frozen base)"
     acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
+
+
+def trainable_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)  # a DTensor's numel is the whole tensor's
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -463,6 +473,8 @@ def run_summary(run: Run, final_dir: Path) -> dict:
         "fsdp_version": acc.state.fsdp_plugin.fsdp_version if is_fsdp else None,
         "mixed_precision": acc.mixed_precision,
         "total_params": run.shards.total_params,
+        "trainable_params": trainable_params(run.model),
+        "peft": run.cfg.peft,
         "fsdp_units": run.fsdp_units,
         "local_params_per_rank": run.shards.local_params_per_rank,
         "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc)),

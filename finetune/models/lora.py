@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,10 +26,32 @@ BASE_RECORD = "peft_base.json"  # in a checkpoint's model_config/: which base th
 ADAPTER_NAME = "default"        # peft's name for the one adapter; its saved files leave it out of the keys
 
 
+def check_supported_here(peft: str) -> None:
+    """Before any process group starts: what this machine cannot run."""
+    if peft != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use --peft lora")
+    raise UsageError("--peft qlora is not available in this version; use --peft lora")
+
+
+@contextmanager
+def quiet_peft():
+    """peft's notes that are not the user's business: it sets fan_in_fan_out for
+    GPT-2's Conv1D layers itself, and calls a transformers API deprecated in v5."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
     """peft's LoraConfig for our options: `all-linear` (every linear layer but
     the output layer, peft's shorthand) or comma-separated module names."""
-    from peft import LoraConfig
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise UsageError("--peft lora needs the peft package: pip install 'finetune[lora]' (or pip install peft)") from None
 
     targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",") if n.strip()]
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
@@ -40,8 +63,7 @@ def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
     from peft import get_peft_model
 
     try:
-        with warnings.catch_warnings():  # GPT-2's Conv1D layers: peft sets fan_in_fan_out itself, and says so
-            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+        with quiet_peft():
             return get_peft_model(model, config)
     except ValueError as e:
         if "not found in the base model" not in str(e):
@@ -76,8 +98,7 @@ def merged_state_dict(base: PreTrainedModel, state: dict[str, torch.Tensor], con
     taken as they are, not copied."""
     from peft import get_peft_model
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+    with quiet_peft():
         peft_model = get_peft_model(base, config)
     missing, unexpected = peft_model.load_state_dict(state, strict=False, assign=True)
     absent = [name for name in missing if ".lora_" in name]

@@ -158,11 +158,6 @@ class CausalLM(Task):
         cfg = self.cfg
         if cfg.peft == "none":
             return model
-        if cfg.peft == "qlora":
-            if not torch.cuda.is_available():
-                raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use "
-                                 "--peft lora")
-            raise UsageError("--peft qlora is not available in this version; use --peft lora")
         self.base_record = lora.base_record(self.model_source, model)
         return lora.add_adapters(model, lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                                                          cfg.lora_target_modules))

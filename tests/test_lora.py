@@ -1,0 +1,234 @@
+"""LoRA (--peft lora) under FSDP2 on 2 CPU processes: what trains, what a
+checkpoint holds, exact and resharded resume, the merged and adapter-only
+exports against peft's own loading and merging, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import check_ok, eval_rows, run_cli, run_in_process, train_rows
+from sft_models import chat_tokenizer, conversations, save_chat_model, write_jsonl
+from test_resume import consolidated, flatten
+
+pytestmark = pytest.mark.slow
+
+# fp32 (exact comparisons), eval on 2 batches, no sample.
+QUIET = ["--block_size", "64", "--per_device_batch_size", "2", "--max_eval_batches", "2", "--sample_prompt", ""]
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A GPT-2 (Conv1D layers, tied embeddings) wide enough that r=8 adapters are ~2% of it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    texts = [m["content"] for row in conversations(200) for m in row["messages"]]
+    tokenizer = chat_tokenizer(texts)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=512, n_layer=2, n_head=8, n_positions=256,
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    path = tmp_path_factory.mktemp("gpt2") / "base"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
+    """6 steps of LoRA r=8 (all-linear, dropout on) on 2 processes, a checkpoint every 3."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "lora",
+                      "--lora_r", "8", "--learning_rate", "3e-3", "--max_steps", "6", "--checkpoint_every", "3",
+                      "--output_dir", str(run_dir)], env, mixed_precision="no"))
+    return run_dir
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_only_the_adapters_train_and_the_state_is_as_predicted(lora_run, gpt2_dir, tmp_path):
+    summary = json.loads((lora_run / "summary.json").read_text())
+    assert summary["peft"] == "lora" and summary["distributed_type"] == "FSDP"
+    assert 0 < summary["trainable_params"] < 0.05 * summary["total_params"]
+    assert sum(summary["local_params_per_rank"]) == summary["total_params"]  # base and adapters both sharded
+    assert max(summary["local_params_per_rank"]) < summary["total_params"]
+
+    # final/ is the in-memory model at the end, merged. Tensors without adapters
+    # must equal the base's bit for bit; those with adapters must equal the
+    # base from disk merged with the trained adapters by peft: a base weight
+    # that moved in training would show in either.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert run_in_process("export", lora_run, "--adapter_only", "--output", tmp_path / "adapter").returncode == 0
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".lora_" in name for name in adapter)
+    assert all(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)  # peft starts B at 0: it trained
+    base = load_file(gpt2_dir / "model.safetensors")
+    final = load_file(lora_run / "final" / "model.safetensors")
+    assert final.keys() == base.keys()
+    adapted = {name.split(".lora_")[0].removeprefix("base_model.model.") + ".weight" for name in adapter}
+    assert adapted and adapted < final.keys()
+    for name in final.keys() - adapted:
+        assert torch.equal(final[name], base[name]), name
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(gpt2_dir), tmp_path / "adapter")
+    merged = merged.merge_and_unload().state_dict()
+    for name in adapted:
+        assert not torch.equal(final[name], base[name]), name
+        torch.testing.assert_close(final[name], merged[name], rtol=0, atol=1e-6, msg=name)
+
+    # Per-rank parameters, gradients and AdamW state, as estimate-memory predicts them.
+    proc = run_in_process("estimate-memory", "--model", gpt2_dir, "--num_processes", "2", "--peft", "lora",
+                          "--lora_r", "8", "--mixed_precision", "no")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| FSDP full shard"))
+    params, grads, optimizer = (int(cell.replace(",", "")) for cell in row.split("|")[2:5])
+    for measured in summary["state_bytes_per_rank"]:
+        assert measured == pytest.approx(params + grads + optimizer, rel=0.10)
+    assert grads < params / 20  # the frozen base has no gradients and no optimizer state
+
+    evals = eval_rows(lora_run)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05  # it learns
+
+
+def test_a_checkpoint_holds_the_adapters_and_is_small(lora_run, tmp_path, env, small_corpus, gpt2_dir):
+    checkpoint = lora_run / "checkpoints" / "step_000006"
+    assert sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    stored = flatten(consolidated(checkpoint / "pytorch_model_fsdp_0", tmp_path))
+    assert stored and all(".lora_" in name for name in stored)
+    assert json.loads((checkpoint / "model_config" / "peft_base.json").read_text())["model"] == str(gpt2_dir)
+
+    full_run = tmp_path / "full"
+    check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--max_steps", "1",
+                      "--max_eval_batches", "1", "--output_dir", str(full_run)], env, mixed_precision="no"))
+
+    def size(path):
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    full_checkpoint = full_run / "checkpoints" / "step_000001"
+    assert size(checkpoint) < 0.05 * size(full_checkpoint), (size(checkpoint), size(full_checkpoint))
+
+    # What a LoRA run is not: a full fine-tune has no adapters, and resumes as one.
+    proc = run_in_process("export", full_run, "--adapter_only", "--output", tmp_path / "nothing")
+    assert proc.returncode == 2 and "full fine-tune" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = run_in_process("resume", full_run, "--peft", "lora")
+    assert proc.returncode == 2 and "--peft ('none' -> 'lora')" in proc.stderr
+    proc = run_in_process("resume", lora_run, "--peft", "none")
+    assert proc.returncode == 2 and "--peft ('lora' -> 'none')" in proc.stderr
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_resume_is_exact(lora_run, tmp_path, env):
+    resumed = tmp_path / "resumed"
+    check_ok(run_cli(["train", "--config", str(lora_run / "run_config.yaml"), "--resume_from_checkpoint",
+                      str(lora_run / "checkpoints" / "step_000003"), "--output_dir", str(resumed)], env,
+                     mixed_precision="no"))
+    full = {r["step"]: r for r in train_rows(lora_run)}
+    rows = train_rows(resumed)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    for row in rows:  # with adapter dropout on: the RNG streams came back too
+        assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-6)
+        assert row["grad_norm"] == pytest.approx(full[row["step"]]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_resume_on_another_world_size_keeps_adapters_and_optimizer(lora_run, tmp_path, env, world_size):
+    saved = lora_run / "checkpoints" / "step_000003"
+    run_dir = tmp_path / f"on{world_size}"
+    check_ok(run_cli(["train", "--config", str(lora_run / "run_config.yaml"), "--max_steps", "3",
+                      "--resume_from_checkpoint", str(saved), "--output_dir", str(run_dir)], env, nproc=world_size,
+                     mixed_precision="no"))
+    resaved = run_dir / "checkpoints" / "step_000003"
+    assert len(list((resaved / "pytorch_model_fsdp_0").glob("*.distcp"))) == world_size
+    for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
+        before = flatten(consolidated(saved / part, tmp_path))
+        after = flatten(consolidated(resaved / part, tmp_path))
+        assert before.keys() == after.keys()
+        for key in before:
+            if isinstance(before[key], torch.Tensor):
+                assert torch.equal(before[key], after[key]), key
+            else:
+                assert before[key] == after[key], key
+    assert any("exp_avg_sq" in k and ".lora_" in k for k in before)
+
+
+def test_exports_match_peft(lora_run, gpt2_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert run_in_process("export", lora_run, "--output", tmp_path / "merged").returncode == 0
+    assert run_in_process("export", lora_run, "--adapter_only", "--output", tmp_path / "adapter").returncode == 0
+    vocab = json.loads((gpt2_dir / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(0))
+
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(gpt2_dir), tmp_path / "adapter").eval()
+    at_the_end = AutoModelForCausalLM.from_pretrained(lora_run / "final").eval()
+    # The adapter-only export gives the model training ended with.
+    torch.testing.assert_close(logits(with_adapter, tokens), logits(at_the_end, tokens), rtol=0, atol=1e-5)
+    # The merged export is peft's merge_and_unload of that adapter.
+    by_peft = with_adapter.merge_and_unload()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(logits(merged, tokens), logits(by_peft, tokens), rtol=0, atol=1e-5)
+    assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()  # still tied
+
+
+def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
+    changed = tmp_path / "changed"
+    shutil.copytree(gpt2_dir, changed)
+    weights = load_file(changed / "model.safetensors")
+    weights["transformer.h.1.mlp.c_fc.weight"][0, 0] += 1.0  # same shapes, one weight moved
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+
+    proc = run_in_process("export", lora_run, "--model", changed, "--output", tmp_path / "out")
+    assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+    before = sorted(p.name for p in (lora_run / "checkpoints").iterdir())
+    proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, mixed_precision="no")
+    assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == before
+
+
+def test_lora_learns_on_chat_data_with_named_targets(tmp_path, env):
+    """SFT (chat) on a Llama-style model, adapters on q_proj and v_proj only."""
+    model_dir = save_chat_model(tmp_path / "llama", arch="llama", tie=False)
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(160, seed=1))
+    run_dir = tmp_path / "run"
+    check_ok(run_cli(["train", "--model", str(model_dir), "--dataset", str(data), "--peft", "lora",
+                      "--lora_target_modules", "q_proj,v_proj", "--lora_r", "4", "--learning_rate", "1e-2",
+                      "--block_size", "128", "--per_device_batch_size", "4", "--max_steps", "10", "--sample_prompt", "",
+                      "--output_dir", str(run_dir)], env, mixed_precision="no"))
+    evals = eval_rows(run_dir)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.1
+    config = json.loads((run_dir / "checkpoints" / "step_000010" / "model_config" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--lora_target_modules", "q_proj,nothing_here"], "matches no module of the model"),
+    (["--peft", "qlora"], "needs a CUDA GPU"),
+])
+def test_lora_bad_input_is_one_line(options, message, tmp_path, env, small_corpus):
+    model_dir = save_chat_model(tmp_path / "llama")
+    peft = [] if "--peft" in options else ["--peft", "lora"]
+    proc = run_cli(["train", "--model", str(model_dir), "--dataset", str(small_corpus), *peft, *options, "--max_steps", "1",
+                    "--output_dir", str(tmp_path / "run")], env, nproc=None)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--peft", "lora", "--lora_r", "0"], "--lora_r must be > 0"),
+    (["--lora_r", "4"], "add --peft lora"),
+    (["--peft", "lora", "--task", "image-classification"], "for --task causal-lm"),
+])
+def test_lora_option_errors(options, message, tmp_path):
+    proc = run_in_process("train", *options, "--output_dir", tmp_path / "run")
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
