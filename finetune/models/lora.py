@@ -62,17 +62,16 @@ def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
     parameter frozen; a target that matches nothing is the user's to fix."""
     from peft import get_peft_model
 
-    try:
-        with quiet_peft():
-            return get_peft_model(model, config)
-    except ValueError as e:
-        if "not found in the base model" not in str(e):
-            raise
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
-        asked = config.target_modules if isinstance(config.target_modules, str) else ",".join(sorted(config.target_modules))
-        raise UsageError(f"--lora_target_modules {asked} matches no module of the model; "
-                         f"its linear layers are {', '.join(names)} (or pass all-linear)") from None
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+    if not isinstance(config.target_modules, str):  # peft only refuses a list none of whose names match
+        modules = [name for name, _ in model.named_modules()]
+        for key in sorted(config.target_modules):
+            if not any(name == key or name.endswith("." + key) for name in modules):
+                raise UsageError(f"--lora_target_modules names {key}, which matches no module of the model; its "
+                                 f"linear layers are {', '.join(linear)} (or pass all-linear)")
+    with quiet_peft():
+        return get_peft_model(model, config)
 
 
 def saved_name(live_name: str) -> str:
