@@ -28,8 +28,7 @@ from finetune.tasks import REGISTRY
 
 # `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
 OPTION_GROUPS = {
-    "model": ("task", "model", "trust_remote_code"),
-    "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "model": ("task", "model", "model_dtype", "trust_remote_code"),
     "data": ("dataset", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
              "text_sample_by",
              "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
@@ -38,6 +37,7 @@ OPTION_GROUPS = {
                  "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",
                  "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
                  "max_grad_norm", "seed", "loss_chunk_size"),
+    "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
                                 "resume_from_checkpoint"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--loss_chunk_size", type=int, default=TrainConfig().loss_chunk_size,
                         help="as for train: positions per chunk of the loss, 0 = the full logits "
                              f"(default: {TrainConfig().loss_chunk_size})")
+    memory.add_argument("--model_dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="as for train: the dtype the weights are held in (default: 'float32')")
     memory.add_argument("--peft", choices=["none", "lora"], default="none",
                         help="lora: a frozen base (weights only) and trainable adapters (default: 'none')")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
@@ -392,7 +394,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
         raise UsageError("--lora_r and --lora_target_modules apply to --peft lora; add it or drop them")
     shape = model_shape(args.model, lora)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size)
+                         args.loss_chunk_size, weight_bytes=2 if args.model_dtype == "bfloat16" else 4)
     print(render(shape, estimates, num_processes, args.device_memory))
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")

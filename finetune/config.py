@@ -32,6 +32,7 @@ DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
 PEFT_METHODS = ("none", "lora", "qlora")
+MODEL_DTYPES = ("float32", "bfloat16")
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
@@ -113,6 +114,10 @@ class TrainConfig:
     max_eval_samples: int = _opt(0, "use only the first N held-out samples (0 = all)")
     validation_split: float = _opt(0.05, "fraction held out for evaluation when the data has no validation/test split")
     block_size: int = _opt(128, "tokens per training sequence (causal-lm)")
+    model_dtype: str = _opt("float32", "the dtype the model's weights are held in: float32, or bfloat16 (half the "
+                            "memory; with --peft lora the frozen base is bfloat16 while the adapters and their AdamW "
+                            "state stay float32; mixed precision still trains float32 master weights)",
+                            choices=MODEL_DTYPES)
     peft: str = _opt("none", "none (train every parameter), lora (train LoRA adapters on a frozen base, through "
                      "peft) or qlora (LoRA on a 4-bit base; GPUs only)", choices=PEFT_METHODS)
     lora_r: int = _opt(8, "LoRA rank")
@@ -200,6 +205,9 @@ class TrainConfig:
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
+        if self.model_dtype != "float32" and self.task != "causal-lm":
+            raise UsageError(f"--model_dtype {self.model_dtype} is for --task causal-lm; train {self.task} models in "
+                             "float32 (mixed precision comes from the accelerate config)")
         if self.peft != "none" and self.task != "causal-lm":
             raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft none")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -223,7 +231,8 @@ class TrainConfig:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
-                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS)):
+                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS),
+                              ("model_dtype", MODEL_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 

@@ -176,33 +176,40 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
 
 
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
-             mixed_precision: str = "bf16", loss_chunk_size: int = 0) -> list[Estimate]:
+             mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4) -> list[Estimate]:
+    """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
+    of a LoRA run stays so; trainable parameters are fp32 under mixed precision
+    (Accelerate upcasts them) and LoRA adapters always are (peft upcasts them)."""
     n = num_processes
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
+    trained_bytes = 4 if t < p or mixed_precision != "no" else weight_bytes
     acts = activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size)
     # Gathered copies: two units (the current one and the prefetched next one).
     gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
-    shard, trained = -(-p // n), -(-t // n)  # ceil: FSDP pads the last shard
+    frozen, trained = -(-(p - t) // n), -(-t // n)  # ceil: FSDP pads the last shard
+    weights = weight_bytes * frozen + trained_bytes * trained
+    grads, moments = trained_bytes * trained, 2 * trained_bytes * trained
     estimates = [
-        Estimate("DDP", 4 * p, 4 * t, 8 * t, p * 2 if mixed_precision == "bf16" else 0, acts),
-        Estimate("FSDP full shard", 4 * shard, 4 * trained, 8 * trained, gather_units, acts),
-        Estimate("FSDP SHARD_GRAD_OP", 4 * shard, 4 * trained, 8 * trained, p * compute if n > 1 else 0, acts),
-        Estimate("FSDP + activation checkpointing", 4 * shard, 4 * trained, 8 * trained, gather_units,
+        Estimate("DDP", weight_bytes * (p - t) + trained_bytes * t, trained_bytes * t, 2 * trained_bytes * t,
+                 p * 2 if mixed_precision == "bf16" else 0, acts),
+        Estimate("FSDP full shard", weights, grads, moments, gather_units, acts),
+        Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, p * compute if n > 1 else 0, acts),
+        Estimate("FSDP + activation checkpointing", weights, grads, moments, gather_units,
                  activation_bytes(shape, batch, block_size, compute, checkpointing=True,
                                   loss_chunk_size=loss_chunk_size)),
         Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
     ]
     for e in estimates[:-1]:  # offload needs a GPU
-        e.peak_rss = cpu_peak_rss(shape, e, n)
+        e.peak_rss = cpu_peak_rss(shape, e, n, weight_bytes)
     return estimates
 
 
-def cpu_peak_rss(shape: ModelShape, e: Estimate, num_processes: int) -> int:
+def cpu_peak_rss(shape: ModelShape, e: Estimate, num_processes: int, weight_bytes: int = 4) -> int:
     """What a CPU rank's resident set peaks at (see the module docstring)."""
     sharded = num_processes > 1 and e.strategy != "DDP"
     churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
-    load = 4 * shape.params + (e.params if sharded else 0)
+    load = weight_bytes * shape.params + (e.params if sharded else 0)
     return RUNTIME_BYTES + max(load, e.total + int(churn))
 
 

@@ -7,6 +7,7 @@ markdown table and JSON.
     python scripts/bench.py --suite packing [--model small-gpt2] [--block_size 256]
     python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small] [--baseline_ref REF]
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
+    python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -495,6 +496,34 @@ def suite_loss(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def suite_lora(args) -> tuple[list[dict], str]:
+    """2-process FSDP: a full fine-tune against LoRA (all-linear, rank --lora_r)
+    of the same model, interleaved; per-rank state and peak memory, step time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        def run_case(peft: str, round_index: int) -> dict:
+            name = "full fine-tune" if peft == "none" else f"LoRA r={args.lora_r}"
+            print(f"[bench] {name}, fsdp.yaml, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{peft}-{round_index}"
+            option = [] if peft == "none" else ["--peft", "lora", "--lora_r", str(args.lora_r)]
+            launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), *option], args.mixed_precision)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            return {"case": name, **measure(run_dir), "trainable_params": summary["trainable_params"]}
+
+        results = fastest_rounds(["none", "lora"], run_case, args.rounds)
+    full, lora = results
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} x {args.block_size} tokens, fsdp.yaml, "
+             f"{args.mixed_precision}, fastest of {args.rounds} round(s); bytes per rank", "",
+             "| case | trainable parameters | state (params + grads + AdamW) | peak memory | step time (s) |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['trainable_params']:,} | {' / '.join(f'{b:,}' for b in r['state_bytes_per_rank'])} | "
+              f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {r['step_time_s']:.3f} |"
+              for r in results]
+    lines += ["", f"LoRA / full: state {max(lora['state_bytes_per_rank']) / max(full['state_bytes_per_rank']):.2f}x, "
+                  f"peak memory {max(lora['peak_memory_bytes_per_rank']) / max(full['peak_memory_bytes_per_rank']):.2f}x, "
+                  f"step time {lora['step_time_s'] / full['step_time_s']:.2f}x"]
+    return results, "\n".join(lines)
+
+
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
@@ -548,7 +577,7 @@ def suite_startup(args) -> tuple[list[dict], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup"], default=None,
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora"], default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
@@ -565,11 +594,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also table where each case's step time goes")
     parser.add_argument("--baseline_ref", default="",
                         help="startup and loss: also run a git worktree of this commit (before and after)")
+    parser.add_argument("--lora_r", type=int, default=16, help="lora: the adapters' rank")
     parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
     args = parser.parse_args()
 
     start = time.perf_counter()
-    suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup}
+    suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
+              "lora": suite_lora}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)

@@ -196,19 +196,36 @@ def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
     assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == before
 
 
-def test_lora_learns_on_chat_data_with_named_targets(tmp_path, env):
-    """SFT (chat) on a Llama-style model, adapters on the modules named only."""
+def test_lora_on_a_bfloat16_base_learns_on_chat_data_with_named_targets(tmp_path, env):
+    """SFT (chat) on a Llama-style model held in bf16, fp32 adapters on the modules named only."""
     model_dir = save_chat_model(tmp_path / "llama", arch="llama", tie=False)
     data = write_jsonl(tmp_path / "chat.jsonl", conversations(160, seed=1))
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", "--model", str(model_dir), "--dataset", str(data), "--peft", "lora",
-                      "--lora_target_modules", "q_proj,v_proj,down_proj", "--lora_r", "4", "--learning_rate", "3e-2",
-                      "--block_size", "128", "--per_device_batch_size", "4", "--max_steps", "10", "--sample_prompt", "",
-                      "--output_dir", str(run_dir)], env, mixed_precision="no"))
+                      "--model_dtype", "bfloat16", "--lora_target_modules", "q_proj,v_proj,down_proj", "--lora_r", "4",
+                      "--learning_rate", "3e-2", "--block_size", "128", "--per_device_batch_size", "4",
+                      "--max_steps", "10", "--sample_prompt", "", "--output_dir", str(run_dir)], env,
+                     mixed_precision="no"))
     evals = eval_rows(run_dir)
     assert evals[-1]["eval_loss"] < 0.99 * evals[0]["eval_loss"]  # a random base: the adapters alone move it
     config = json.loads((run_dir / "checkpoints" / "step_000010" / "model_config" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+
+    assert run_in_process("export", run_dir, "--adapter_only", "--output", tmp_path / "adapter").returncode == 0
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {t.dtype for t in adapter.values()} == {torch.float32}
+    assert {name.split(".")[-3] for name in adapter} == {"q_proj", "v_proj", "down_proj"}
+    # A bf16 base (2 bytes), fp32 adapters with fp32 gradients and AdamW moments, as predicted.
+    proc = run_in_process("estimate-memory", "--model", model_dir, "--num_processes", "2", "--peft", "lora",
+                          "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,down_proj",
+                          "--model_dtype", "bfloat16", "--mixed_precision", "no")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| FSDP full shard"))
+    predicted = sum(int(cell.replace(",", "")) for cell in row.split("|")[2:5])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for measured in summary["state_bytes_per_rank"]:
+        assert measured == pytest.approx(predicted, rel=0.10)
+    for state, params in zip(summary["state_bytes_per_rank"], summary["local_params_per_rank"]):
+        assert state < 4 * params  # less than the shard alone would take in fp32
 
 
 @pytest.mark.parametrize("options, message", [

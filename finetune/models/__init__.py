@@ -62,11 +62,11 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str) -> Pre
 
 
 def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, trust_remote_code: bool,
-                    presets: str) -> PreTrainedModel:
-    """`auto_class.from_pretrained` in fp32, with errors that say what to do."""
+                    presets: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """`auto_class.from_pretrained` in `dtype`, with errors that say what to do."""
     try:
         return auto_class.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
-                                          dtype=torch.float32)
+                                          dtype=dtype)
     except (OSError, ValueError) as e:
         raise UsageError(f"could not load --model {name_or_path} ({_first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({presets})") from None

@@ -109,7 +109,8 @@ class Task:
         if other is not None and not self.entry.builds(config):
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
-        return models.load_pretrained(self.model_source, self.entry.auto(), config, cfg.trust_remote_code, presets)
+        return models.load_pretrained(self.model_source, self.entry.auto(), config, cfg.trust_remote_code, presets,
+                                      dtype=getattr(torch, cfg.model_dtype))
 
 
 def build_task(cfg: TrainConfig) -> Task:

@@ -150,7 +150,8 @@ class CausalLM(Task):
         every rank and in every later export), or --model's."""
         if self.cfg.model in GPT2_PRESETS:
             set_seed(self.cfg.seed)
-            return models.build_gpt2(GPT2_PRESETS[self.cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+            model = models.build_gpt2(GPT2_PRESETS[self.cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+            return model.to(getattr(torch, self.cfg.model_dtype))
         return self.pretrained_model()
 
     def _with_adapters(self, model: PreTrainedModel) -> PreTrainedModel:
