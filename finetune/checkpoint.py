@@ -233,6 +233,15 @@ class StoredState:
         model.register_state_dict_post_hook(lambda *args: self._leave_out(*args))
         model.register_load_state_dict_pre_hook(lambda *args: self._put_back(*args))
 
+    @contextmanager
+    def applied(self):
+        """Around the manager's own saves and loads."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
     def _leave_out(self, module, state_dict, prefix, local_metadata):
         if not self.active:
             return
@@ -321,7 +330,7 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{target.name}"
         try:
             on_every_rank(acc, lambda: self._make_dir(tmp))
-            with self._own_state():
+            with self.stored.applied():
                 on_every_rank(acc, lambda: acc.save_state(str(tmp)))
             on_every_rank(acc, lambda: self._complete(tmp, target, progress))
         except WriteFailed as e:
@@ -337,14 +346,6 @@ class CheckpointManager:
         self.last_saved_step = progress.step
         say(acc, f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target
-
-    @contextmanager
-    def _own_state(self):
-        self.stored.active = True
-        try:
-            yield
-        finally:
-            self.stored.active = False
 
     def _make_dir(self, tmp: Path) -> None:
         if self.accelerator.is_main_process:
@@ -390,7 +391,7 @@ class CheckpointManager:
             recorded = lora.read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / lora.BASE_RECORD)
             lora.check_same_base(recorded, self.base_record, checkpoint_dir)
         start = time.perf_counter()
-        with self._own_state():
+        with self.stored.applied():
             acc.load_state(str(checkpoint_dir))
         say(acc, f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:
