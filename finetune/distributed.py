@@ -277,13 +277,44 @@ def persistent_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimi
             "optimizer": optimizer_bytes}
 
 
-def peak_memory_bytes(accelerator: Accelerator) -> int:
+def peak_memory_bytes(accelerator: Accelerator, host: "HostMemory") -> int:
     """Peak memory of this rank: device allocator on GPU, resident set on CPU."""
     if accelerator.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(accelerator.device))
-    import resource
+    return host.lifetime_peak()
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+class HostMemory:
+    """This process's resident set through a run's phases (load, final save),
+    from the kernel's high-water mark (VmHWM), which Linux lets a process
+    reset (`/proc/self/clear_refs`). Resetting it also resets ru_maxrss, so
+    the peaks of earlier phases are kept here."""
+
+    def __init__(self):
+        self.at_start = resident_bytes()  # after the imports: what every phase is measured above
+        self._earlier_peak = 0
+
+    def peak(self) -> int:
+        """The highest resident set since the last `restart`, or since the process started."""
+        try:
+            status = Path("/proc/self/status").read_text()
+            return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+        except (OSError, ValueError, StopIteration):
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+    def lifetime_peak(self) -> int:
+        return max(self._earlier_peak, self.peak())
+
+    def restart(self) -> int:
+        """Start a new phase: returns the resident set now, the base of the phase's rise."""
+        self._earlier_peak = self.lifetime_peak()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass  # not Linux, or not allowed: the phase's peak is then the lifetime's
+        return resident_bytes()
 
 
 def resident_bytes() -> int:
@@ -332,6 +363,41 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 class WriteFailed(Exception):
     """A write failed on some rank; the message is that rank's reason."""
+
+
+def weights_from_main_process(accelerator: Accelerator) -> bool:
+    """fsdp_cpu_ram_efficient_loading under FSDP2: only the main process reads
+    the weights; `prepare` shards the model on the meta device and sends every
+    rank its shards from the main process's copy (Accelerate's
+    fsdp2_load_full_state_dict). A run holds one full copy, not one per rank."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return (accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1
+            and plugin.fsdp_version == 2 and bool(plugin.cpu_ram_efficient_loading))
+
+
+def leave_loading_to_the_ranks(accelerator: Accelerator) -> None:
+    """Each rank reads its own shards once `prepare` has sharded the empty
+    model (finetune/shard_loading.py): Accelerate must not send the main
+    process's copy, which was never loaded."""
+    accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False
+
+
+def broadcast_from_main(value):
+    """The main process's `value` (any picklable object) on every rank."""
+    return broadcast_object_list([value])[0]
+
+
+def check_same_layout(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Every rank's model has the main process's parameter names, shapes and
+    dtypes: the weights are sent tensor by tensor in that order, and a rank
+    that built another layout would receive the wrong bytes."""
+    layout = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    main_layout = broadcast_from_main(layout)
+    if layout != main_layout:
+        name = next((a[0] for a, b in zip(layout, main_layout) if a != b),
+                    f"{len(layout)} parameters against {len(main_layout)}")
+        raise RuntimeError(f"rank {accelerator.process_index} built another model than the main process ({name} "
+                           "differs); every rank must build the same architecture")
 
 
 def check_wrap_policy(accelerator: Accelerator, model: torch.nn.Module) -> None:

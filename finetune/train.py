@@ -36,8 +36,8 @@ from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_
 from finetune.config import TrainConfig, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout, on_every_rank,
-                                  peak_memory_bytes, persistent_state_bytes, resident_bytes, slow_bf16_warning,
+                                  check_wrap_policy, count_fsdp_units, gather_ints, HostMemory, is_collective_timeout,
+                                  on_every_rank, peak_memory_bytes, persistent_state_bytes, resident_bytes, slow_bf16_warning,
                                   verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
@@ -72,6 +72,8 @@ class Run:
     progress: TrainingProgress
     shards: ShardReport
     fsdp_units: int
+    host: HostMemory                                              # this rank's resident set, phase by phase
+    load_peak_rss: int                                            # the highest resident set until `prepare` returned
     evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, result) of every evaluation
     last_loss: float | None = None                                # stays None when a resume has no step left
     state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
@@ -113,6 +115,7 @@ class StepResult:
 
 
 def train(cfg: TrainConfig) -> dict:
+    host = HostMemory()
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
     check_supported_here(cfg.peft)
@@ -126,7 +129,7 @@ def train(cfg: TrainConfig) -> dict:
         quiet_library_bars()  # only the main process shows progress, and only on a terminal
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
-            return run_to_the_end(setup_run(cfg, accelerator, stop, heartbeats))
+            return run_to_the_end(setup_run(cfg, accelerator, stop, heartbeats, host))
     except RuntimeError as e:
         if is_collective_timeout(e):
             raise heartbeats.lost(e) from None
@@ -157,7 +160,8 @@ def run_to_the_end(run: Run) -> dict:
 
 # --- setup ----------------------------------------------------------------------------------------
 
-def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats) -> Run:
+def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats,
+              host: HostMemory) -> Run:
     cpu_threads, _ = use_cpu_threads()
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
@@ -182,6 +186,9 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     check_wrap_policy(accelerator, model)
     optimizer = build_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
+    if task.own_shards is not None:
+        task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
+    load_peak_rss = host.peak()
 
     checkpoints = CheckpointManager(
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
@@ -193,7 +200,8 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
-              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model),
+              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model), host=host,
+              load_peak_rss=load_peak_rss,
               plain_logs=plain_logs(cfg.log_format), cpu_threads=cpu_threads)
     measure_state_after_first_step(run)
     if resume_from:
@@ -429,8 +437,9 @@ def to_float(t: torch.Tensor) -> float:
 def finish(run: Run) -> dict:
     run.evaluate()
     run.checkpoints.maybe_save(run.progress, final=True)
+    rss_before_save = run.host.restart()
     final_dir = write_final_model(run)
-    summary = run_summary(run, final_dir)
+    summary = run_summary(run, final_dir, final_save_rss_rise=run.host.peak() - rss_before_save)
     if run.accelerator.is_main_process:
         write_summary(summary, run.run_dir)
     return summary
@@ -461,7 +470,7 @@ def write_final_model(run: Run) -> Path:
     return final_dir
 
 
-def run_summary(run: Run, final_dir: Path) -> dict:
+def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
     acc = run.accelerator
     is_fsdp = acc.distributed_type == DistributedType.FSDP
     return {
@@ -477,7 +486,12 @@ def run_summary(run: Run, final_dir: Path) -> dict:
         "peft": run.cfg.peft,
         "fsdp_units": run.fsdp_units,
         "local_params_per_rank": run.shards.local_params_per_rank,
-        "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc)),
+        "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc, run.host)),
+        # Host RAM (resident set) per rank: after the imports, its peak until the
+        # model was loaded and sharded, and how far the final save raised it.
+        "rss_after_imports_bytes_per_rank": gather_ints(acc, run.host.at_start),
+        "load_peak_rss_bytes_per_rank": gather_ints(acc, run.load_peak_rss),
+        "final_save_rss_rise_bytes_per_rank": gather_ints(acc, final_save_rss_rise),
         "state_bytes_per_rank": gather_ints(acc, sum(run.state_bytes.values())),
         "train_time_s": run.train_seconds,
         "steps": run.progress.step,

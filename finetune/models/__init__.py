@@ -17,8 +17,35 @@ from finetune.models.cnn import LectureCNN, LectureCNNConfig
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
+def gpt2_config(shape: dict, bos_token_id: int, eos_token_id: int) -> GPT2Config:
+    return GPT2Config(**shape, **NO_DROPOUT, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+
 def build_gpt2(shape: dict, bos_token_id: int, eos_token_id: int) -> PreTrainedModel:
-    return GPT2LMHeadModel(GPT2Config(**shape, **NO_DROPOUT, bos_token_id=bos_token_id, eos_token_id=eos_token_id))
+    return GPT2LMHeadModel(gpt2_config(shape, bos_token_id, eos_token_id))
+
+
+def placeholder_model(config: PretrainedConfig, auto_class, dtype: torch.dtype,
+                      trust_remote_code: bool) -> PreTrainedModel:
+    """The architecture a config describes, for a process that will receive its
+    weights from another: the buffers computed in `__init__` are real (rotary
+    frequencies, masks: nobody sends those), the parameters are allocated but
+    never written, so their pages take no RAM, and each has its own storage
+    (Accelerate matches an optimizer's parameters to the sharded ones by address)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    allocated: dict[int, torch.nn.Parameter] = {}  # by the meta parameter's id: tied weights stay one tensor
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in allocated:
+                    allocated[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                              requires_grad=param.requires_grad)
+                module._parameters[name] = allocated[id(param)]
+    model.tie_weights()  # init_empty_weights re-registers every parameter, which unties them
+    return model
 
 
 def fuse_activations(model: torch.nn.Module) -> int:

@@ -23,6 +23,8 @@ from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 if TYPE_CHECKING:
     import evaluate
 
+    from finetune.shard_loading import OwnShards
+
 METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics_modules"
 
 
@@ -65,6 +67,7 @@ class Task:
         self.model_source = cfg.model  # where --model is read from (a GGUF file's converted dir)
         self._metric: "evaluate.EvaluationModule | None" = None
         self.base_record: dict | None = None  # LoRA runs: the frozen base's origin, shapes and fingerprint
+        self.own_shards: "OwnShards | None" = None  # set when each rank reads its shards after `prepare`
 
     @property
     def entry(self) -> TaskEntry:
@@ -101,16 +104,20 @@ class Task:
                 self._metric = evaluate.load(str(METRICS_DIR / self.metric_name), keep_in_memory=True)
         return self._metric
 
-    def pretrained_model(self) -> PreTrainedModel:
-        """`--model` as a Hub id or a local HF model dir, refused when it is a model for another task."""
+    def pretrained_model(self, weights_here: bool = True) -> PreTrainedModel:
+        """`--model` as a Hub id or a local HF model dir, refused when it is a
+        model for another task; without its weights unless `weights_here`."""
         cfg, presets = self.cfg, ", ".join(self.entry.presets)
         config = models.load_config(self.model_source, cfg.trust_remote_code, presets)
         other = task_for_config(config)
         if other is not None and not self.entry.builds(config):
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
+        dtype = getattr(torch, cfg.model_dtype)
+        if not weights_here:
+            return models.placeholder_model(config, self.entry.auto(), dtype, cfg.trust_remote_code)
         return models.load_pretrained(self.model_source, self.entry.auto(), config, cfg.trust_remote_code, presets,
-                                      dtype=getattr(torch, cfg.model_dtype))
+                                      dtype=dtype)
 
 
 def build_task(cfg: TrainConfig) -> Task:

@@ -20,9 +20,11 @@ from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template
 from finetune.data.sources import limit_samples
 from finetune.data.text import load_raw_data, text_iterator, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
-from finetune.distributed import main_process_first
+from finetune.distributed import (broadcast_from_main, check_same_layout, leave_loading_to_the_ranks,
+                                  main_process_first, weights_from_main_process)
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
+from finetune.shard_loading import OwnShards
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
 from finetune.tasks.lm_loss import can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
 
@@ -85,7 +87,14 @@ class CausalLM(Task):
         raw, data_format = main_process_first(accelerator, self._raw_data)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
+        # With fsdp_cpu_ram_efficient_loading only the main process reads the
+        # weights; the others build the architecture and receive their shards in `prepare`.
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir)
+        if weights_from_main_process(accelerator):
+            check_same_layout(accelerator, model)
+            self.base_record = broadcast_from_main(self.base_record)  # a preset's fingerprint needs its weights
+            if self.own_shards is not None:
+                leave_loading_to_the_ranks(accelerator)
         splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format)
@@ -119,8 +128,14 @@ class CausalLM(Task):
 
     def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path):
         """A preset trains its own tokenizer on the training text (once, on the
-        main process, saved with the run); anything else brings its tokenizer."""
+        main process, saved with the run); anything else brings its tokenizer.
+
+        With fsdp_cpu_ram_efficient_loading, the ranks build the model without
+        its weights. When --model is a dir of safetensors files, each rank reads
+        its own shards after `prepare` (finetune/shard_loading.py); otherwise
+        the main process loads the weights and `prepare` sends them."""
         cfg = self.cfg
+        from_main = weights_from_main_process(accelerator)
         if cfg.model in GPT2_PRESETS:
             tokenizer_dir = run_dir / "tokenizer"
             if accelerator.is_main_process and not (tokenizer_dir / "tokenizer.json").is_file():
@@ -128,9 +143,13 @@ class CausalLM(Task):
                 tok.save_pretrained(tokenizer_dir)
             accelerator.wait_for_everyone()
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-            model = self.base_model(tokenizer)
+            model = self.base_model(tokenizer, weights_here=accelerator.is_main_process or not from_main)
         else:
-            model = self.base_model(tokenizer=None)
+            if from_main:
+                config = models.load_config(self.model_source, cfg.trust_remote_code, ", ".join(self.entry.presets))
+                self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto())
+            weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)
+            model = self.base_model(None, weights_here)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
             except (OSError, ValueError) as e:
@@ -143,23 +162,28 @@ class CausalLM(Task):
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
         models.fuse_activations(model)
-        return tokenizer, self._with_adapters(model)
+        return tokenizer, self._with_adapters(model, record_base=accelerator.is_main_process or not from_main)
 
-    def base_model(self, tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedModel:
+    def base_model(self, tokenizer: PreTrainedTokenizerBase | None, weights_here: bool = True) -> PreTrainedModel:
         """The weights a run starts from: a preset built from the seed (the same on
-        every rank and in every later export), or --model's."""
+        every rank and in every later export), or --model's; only the
+        architecture unless `weights_here`."""
+        dtype = getattr(torch, self.cfg.model_dtype)
         if self.cfg.model in GPT2_PRESETS:
+            config = models.gpt2_config(GPT2_PRESETS[self.cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+            if not weights_here:
+                return models.placeholder_model(config, self.entry.auto(), dtype, trust_remote_code=False)
             set_seed(self.cfg.seed)
-            model = models.build_gpt2(GPT2_PRESETS[self.cfg.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
-            return model.to(getattr(torch, self.cfg.model_dtype))
-        return self.pretrained_model()
+            return models.GPT2LMHeadModel(config).to(dtype)
+        return self.pretrained_model(weights_here)
 
-    def _with_adapters(self, model: PreTrainedModel) -> PreTrainedModel:
+    def _with_adapters(self, model: PreTrainedModel, record_base: bool) -> PreTrainedModel:
         """--peft lora: adapters on a frozen base, whose origin the checkpoints record."""
         cfg = self.cfg
         if cfg.peft == "none":
             return model
-        self.base_record = lora.base_record(self.model_source, model)
+        if record_base:
+            self.base_record = lora.base_record(self.model_source, model)
         return lora.add_adapters(model, lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                                                          cfg.lora_target_modules))
 

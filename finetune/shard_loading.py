@@ -1,0 +1,169 @@
+"""Pretrained weights read straight into FSDP2 shards: every rank builds the
+model without its weights, `prepare` shards it, and then each rank reads from
+the safetensors files only the rows of each tensor it keeps. No process ever
+holds the whole model, the main process included.
+
+Used under `fsdp_cpu_ram_efficient_loading: true` when --model is a local dir
+of safetensors files whose tensor names are the model's. Anything else (a Hub
+id, .bin weights, names transformers converts on load, weights it has to
+initialise, a preset built from a seed) goes through Accelerate's way of the
+same flag: the main process loads the model and sends every rank its shards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from finetune.distributed import canonical_name
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+# safetensors' names of the dtypes a model file holds.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file (row-major, no gaps)."""
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset of its first byte in the file
+
+    def read_rows(self, first_row: int, out: torch.Tensor) -> None:
+        """Rows first_row.. of the tensor (as many as `out` has) into `out`,
+        read straight from the file: no mapping of the file (its pages would
+        count in this process's resident set) and, when the dtypes agree, no
+        copy in between."""
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        same = out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if same else torch.empty(out.shape, dtype=self.dtype)
+        raw = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(self.start + first_row * row_bytes)
+            done = 0
+            while done < len(raw):
+                got = f.readinto(raw[done:])
+                if not got:
+                    raise OSError(f"{self.file} ends inside {self.name}")
+                done += got
+        if not same:
+            out.copy_(buffer)
+
+
+def read_header(file: Path) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, from its JSON header (checked
+    against the file's size: the file may come from someone else)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= min(size - 8, 100 * 2**20):
+            raise ValueError(f"{file} is not a safetensors file")
+        header = json.loads(f.read(length))
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize or 8 + length + end > size:
+            raise ValueError(f"{file} is damaged: {name} does not fit its place in the file")
+        tensors[name] = StoredTensor(file, name, dtype, shape, 8 + length + begin)
+    return tensors
+
+
+def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
+    """Every tensor of a dir written by save_pretrained in safetensors (one
+    file, or shards with an index); None for other layouts."""
+    if (model_dir / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((model_dir / SAFETENSORS_INDEX).read_text())["weight_map"]
+        files = sorted({model_dir / file for file in weight_map.values()})
+    elif (model_dir / SAFETENSORS_FILE).is_file():
+        files = [model_dir / SAFETENSORS_FILE]
+    else:
+        return None
+    return {name: tensor for file in files for name, tensor in read_header(file).items()}
+
+
+def base_name(name: str) -> str:
+    """A live parameter's name as the pretrained model's own: without the
+    wrappers (canonical_name) and without peft's `base_model.model.` and `.base_layer`."""
+    name = canonical_name(name)
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+@dataclass
+class OwnShards:
+    """Where each of the model's tensors lies in the files."""
+    sources: dict[str, StoredTensor]  # the model's name (tied ones under each name) -> its bytes
+
+    @classmethod
+    def for_model(cls, model_source: str, config: PretrainedConfig, auto_class) -> "OwnShards | None":
+        """None unless every parameter and persistent buffer of the model the
+        config describes is in the files with its shape, under its name or
+        with the base model prefix added or removed (GPT-2's Hub files have no
+        `transformer.`), or under another name of a tied tensor."""
+        path = Path(model_source)
+        try:
+            stored = stored_tensors(path) if path.is_dir() else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # from_pretrained will say what is wrong with the files
+        if not stored:
+            return None
+        with torch.device("meta"):
+            model = auto_class.from_config(config)
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        aliases = _tied_names(model)
+        sources = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and persistent buffers
+            candidates = [variant for alias in aliases.get(name, [name])
+                          for variant in (alias, alias.removeprefix(f"{prefix}."), f"{prefix}.{alias}")]
+            found = next((stored[c] for c in candidates if c in stored), None)
+            if found is None or found.shape != tuple(tensor.shape):
+                return None
+            sources[name] = found
+        return cls(sources)
+
+    @torch.no_grad()
+    def fill(self, model: torch.nn.Module) -> None:
+        """Read into every parameter and persistent buffer of the sharded model
+        the rows this rank keeps (cast to its dtype, as from_pretrained does).
+        LoRA adapters are not in the files: peft initialised them, the same
+        on every rank."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for name, target in model.state_dict(keep_vars=True).items():  # the live (sharded) tensors themselves
+            source = self.sources.get(base_name(name))
+            if source is None:
+                if "lora_" in name:
+                    continue
+                raise RuntimeError(f"{name} is not in the pretrained files")
+            local, offset = target, (0,) * target.dim()
+            if isinstance(target, DTensor):
+                local = target.to_local()
+                _, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            if local.numel() == 0:
+                continue
+            if any(offset[1:]) or tuple(local.shape[1:]) != source.shape[1:]:  # FSDP2 shards rows only
+                raise RuntimeError(f"{name} is sharded by columns ({target.placements}); only row shards are read")
+            source.read_rows(offset[0] if offset else 0, local)
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each parameter name -> every name the same tensor goes by."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return {name: group for group in names.values() for name in group}
+
