@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
-                             TrainConfig, coerce, config_fields, field_types, launch_instead, load_config)
+                             TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -39,7 +39,7 @@ OPTION_GROUPS = {
                  "max_grad_norm", "seed", "loss_chunk_size"),
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
-                                "resume_from_checkpoint"),
+                                "resume_from_checkpoint", "max_shard_size"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
                                "report_to", "sample_prompt", "profile_steps"),
     "FSDP and launch (sharding, processes and precision come from `accelerate launch --config_file`; "
@@ -102,17 +102,10 @@ fraction_or_one = _checked(float, lambda v: 0.0 < v <= 1.0, "a number", "in (0, 
 
 def byte_size(text: str) -> int:
     """80GB, 80GiB, 500MB or a plain number of bytes."""
-    units = {"tib": 1024**4, "tb": 10**12, "gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6,
-             "kib": 1024, "kb": 10**3, "b": 1}
-    lowered = text.strip().lower()
-    suffix = next((u for u in units if lowered.endswith(u)), "")
     try:
-        value = int(float(lowered[: len(lowered) - len(suffix)]) * units.get(suffix, 1))
+        return byte_count(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GB, 500MiB or 2000000000") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):

@@ -56,6 +56,7 @@ RESUME_MAY_CHANGE = {
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
                      "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size"),
                     "applies from the next step"),
+    "max_shard_size": "applies to the final model dir",
 }
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
 
@@ -74,6 +75,20 @@ def data_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     return {**{name: config[name] for name in DATA_OPTIONS if name in config},
             "text_sample_by": config.get("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS),
             "max_eval_rows": config.get("max_eval_batches", 0) * world_size * batch}
+
+
+BYTE_UNITS = {"tib": 1024**4, "tb": 10**12, "gib": 1024**3, "gb": 10**9, "mib": 1024**2, "mb": 10**6,
+              "kib": 1024, "kb": 10**3, "b": 1}
+
+
+def byte_count(text: str) -> int:
+    """80GB, 80GiB, 500MB or a plain number of bytes; ValueError for anything else or <= 0."""
+    lowered = str(text).strip().lower()
+    suffix = next((u for u in BYTE_UNITS if lowered.endswith(u)), "")
+    value = int(float(lowered[: len(lowered) - len(suffix)]) * BYTE_UNITS.get(suffix, 1))
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return value
 
 
 def _opt(default, help: str, **kw):
@@ -170,6 +185,8 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "sharded checkpoint every N optimizer steps (0 = only at the end)")
     checkpoint_every_epochs: int = _opt(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)")
     keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
+    max_shard_size: str = _opt("2GB", "largest safetensors file of the final model dir (RUN_DIR/final); the ranks "
+                               "gather one file's tensors at a time, so this also bounds the memory of the final save")
     resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from; 'auto': the newest "
                                        "complete checkpoint when there is one, else start fresh (for job scripts "
                                        "that are requeued)")
@@ -199,6 +216,11 @@ class TrainConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name} must be >= 0, got {getattr(self, name)}; pass 0 or more")
+        try:
+            byte_count(self.max_shard_size)
+        except ValueError:
+            raise UsageError(f"--max_shard_size {self.max_shard_size!r} is not a size; write e.g. 2GB, 500MiB or "
+                             "2000000000") from None
         if self.max_steps == 0 and self.num_epochs == 0:
             raise UsageError("both --max_steps and --num_epochs are 0; set one of them to how long to train")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):

@@ -387,6 +387,30 @@ def broadcast_from_main(value):
     return broadcast_object_list([value])[0]
 
 
+def serve_full_tensors(accelerator: Accelerator, tensors: dict[str, torch.Tensor], consume) -> None:
+    """Hand `consume`, on the main process, a `fetch(names)` that returns those
+    tensors whole (sharded ones gathered from every rank, on CPU), while the
+    other ranks take part in each gather until the main process is done. No
+    rank holds more than what `consume` keeps plus one tensor being gathered,
+    instead of the whole state on the main process."""
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().to("cpu")
+
+    if not accelerator.is_main_process:
+        while (names := broadcast_from_main(None)) is not None:
+            for name in names:
+                whole(tensors[name])
+        return
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        broadcast_from_main(names)
+        return {name: whole(tensors[name]) for name in names}
+    try:
+        consume(fetch)
+    finally:
+        broadcast_from_main(None)  # the others stop serving, also when consume failed
+
+
 def check_same_layout(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Every rank's model has the main process's parameter names, shapes and
     dtypes: the weights are sent tensor by tensor in that order, and a rank

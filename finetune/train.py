@@ -33,16 +33,16 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_dir, checkpoint_step,
                                  complete_checkpoints, resolve_checkpoint, saved_config)
-from finetune.config import TrainConfig, data_options, defaults_note, resume_changes
+from finetune.config import TrainConfig, byte_count, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
-from finetune.distributed import (Heartbeats, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  check_wrap_policy, count_fsdp_units, gather_ints, HostMemory, is_collective_timeout,
-                                  on_every_rank, peak_memory_bytes, persistent_state_bytes, resident_bytes, slow_bf16_warning,
-                                  verify_sharded)
+from finetune.distributed import (Heartbeats, HostMemory, ShardReport, WriteFailed, build_accelerator, canonical_name,
+                                  check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout,
+                                  on_every_rank, peak_memory_bytes, persistent_state_bytes, resident_bytes,
+                                  serve_full_tensors, slow_bf16_warning, verify_sharded)
 from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
-from finetune.model_dir import write_model_dir
+from finetune.model_dir import Weights, write_model_dir
 from finetune.models.lora import check_supported_here, merged_state_dict
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
@@ -446,22 +446,34 @@ def finish(run: Run) -> dict:
 
 
 def write_final_model(run: Run) -> Path:
-    """Consolidate the full state on rank 0 and write the HF model dir (for
-    LoRA runs, the base with the adapters merged in, as `merge_and_unload` does)."""
+    """The trained model as a HF model dir, written by the main process one
+    output file at a time (`--max_shard_size`): the ranks gather the tensors
+    of each file as it is written, so no rank ever holds the whole state. A
+    LoRA run's is the base with the adapters merged in, as `merge_and_unload`
+    does, which needs the whole state on the main process."""
     acc = run.accelerator
-    # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
-    state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
     final_dir = run.run_dir / "final"
     hf_config = acc.unwrap_model(run.model).config
-    if acc.is_main_process and run.checkpoints.adapter_config is not None:  # LoRA: the adapters merged into the base
-        with torch.device("meta"):
-            base = run.task.entry.auto().from_config(hf_config)
-        state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
+    write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
+                         max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
+    if run.checkpoints.adapter_config is not None or not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP:
+        # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
+        state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
+        if acc.is_main_process and run.checkpoints.adapter_config is not None:
+            with torch.device("meta"):
+                base = run.task.entry.auto().from_config(hf_config)
+            state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
 
-    def write() -> None:
-        if acc.is_main_process:
-            write_model_dir(state_dict, hf_config, final_dir, tokenizer=run.data.tokenizer,
-                            run_data=data_options(run.cfg.to_dict(), acc.num_processes), overwrite=True)
+        def write() -> None:
+            if acc.is_main_process:
+                write_model_dir(state_dict, hf_config, final_dir, **write_options)
+    else:  # FSDP2 (DTensor shards), DDP or one process
+        tensors = {canonical_name(name): t for name, t in acc.unwrap_model(run.model).state_dict().items()}
+        specs = {name: (t.shape, t.dtype) for name, t in tensors.items()}
+
+        def write() -> None:
+            serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(Weights(specs, fetch), hf_config, final_dir,
+                                                                            **write_options))
     try:
         on_every_rank(acc, write)
     except WriteFailed as e:
