@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"as for train (default: {TrainConfig().lora_target_modules!r})")
     memory.add_argument("--mixed_precision", choices=["bf16", "no"], default=None,
                         help="compute dtype (default: the accelerate config's, else bf16)")
+    memory.add_argument("--max_shard_size", type=byte_size, default=TrainConfig().max_shard_size,
+                        help=f"as for train: the final model's largest file (default: {TrainConfig().max_shard_size})")
     memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
                         help="say which strategies fit in this much memory per device (default: None)")
     memory.set_defaults(func=cmd_estimate_memory, subparser=memory)
@@ -372,7 +374,7 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from finetune.memory import estimate, model_shape, read_launch_config, render
+    from finetune.memory import estimate, host_ram, model_shape, read_launch_config, render
 
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
@@ -386,9 +388,12 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     elif args.lora_r != TrainConfig().lora_r or args.lora_target_modules != TrainConfig().lora_target_modules:
         raise UsageError("--lora_r and --lora_target_modules apply to --peft lora; add it or drop them")
     shape = model_shape(args.model, lora)
+    weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes=2 if args.model_dtype == "bfloat16" else 4)
-    print(render(shape, estimates, num_processes, args.device_memory))
+                         args.loss_chunk_size, weight_bytes, launch.ram_efficient_loading)
+    host = host_ram(shape, num_processes, num_processes > 1 and launch.strategy != "DDP",
+                    launch.ram_efficient_loading, weight_bytes, args.max_shard_size)
+    print(render(shape, estimates, num_processes, args.device_memory, host))
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")
     return 0

@@ -20,9 +20,19 @@ tensors, calibrated against measured runs (tests/test_memory_planner.py):
                  gradients and the optimizer's temporaries) are recycled
                  through the heap, which keeps its high-water mark; larger
                  tensors are mapped and unmapped, and cost nothing once freed
-    load         every rank builds the full fp32 model before sharding it
+    load         what a rank holds while the weights arrive (host_ram below)
 
-    peak RSS = runtime + max(full model + its shard, tensors + heap churn)
+    peak RSS = runtime + max(load, tensors + heap churn)
+
+Host RAM at load and at the final save (`host_ram`), per rank above the runtime:
+    load         under fsdp_cpu_ram_efficient_loading, each rank reads only its
+                 shard of a safetensors dir; a preset or Hub id is loaded by the
+                 main process, which sends each rank its shard (one tensor in
+                 flight); without the flag every rank loads the whole model
+    final save   the main process holds one output file (--max_shard_size) and
+                 the tensor being gathered; the others the gathered tensor
+                 (twice: all-gather output and its padded buffer); a LoRA
+                 run's merge holds the whole fp32 state on the main process
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ class ModelShape:
     vocab: int
     heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
     trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
+    largest_tensor: int = 0  # elements of the largest parameter
+    own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
 
 
 def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
@@ -96,6 +108,8 @@ def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
         from finetune.models.lora import add_adapters
 
         model = add_adapters(model, lora_config)
+    from finetune.shard_loading import OwnShards  # imports the distributed helpers, which import this module
+
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -106,7 +120,10 @@ def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
                       trainable=sum(p.numel() for p in unique.values() if p.requires_grad),
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size,
-                      heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES))
+                      heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
+                      largest_tensor=max(p.numel() for p in unique.values()),
+                      own_shards=name_or_path not in GPT2_PRESETS
+                      and OwnShards.for_model(name_or_path, config, causal_lm.auto()) is not None)
 
 
 @dataclass
@@ -115,6 +132,7 @@ class LaunchConfig:
     num_processes: int = 2
     mixed_precision: str = "bf16"
     strategy: str = "FSDP full shard"
+    ram_efficient_loading: bool = True  # fsdp_cpu_ram_efficient_loading, as in fsdp.yaml
 
 
 def read_launch_config(path: str | None) -> LaunchConfig:
@@ -137,7 +155,8 @@ def read_launch_config(path: str | None) -> LaunchConfig:
     else:
         strategy = "FSDP full shard"
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
-                        mixed_precision="no" if launch.get("mixed_precision") == "no" else "bf16", strategy=strategy)
+                        mixed_precision="no" if launch.get("mixed_precision") == "no" else "bf16", strategy=strategy,
+                        ram_efficient_loading=strategy != "DDP" and bool(fsdp.get("fsdp_cpu_ram_efficient_loading")))
 
 
 @dataclass
@@ -175,8 +194,40 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
     return layers + chunk + tokens * shape.hidden * compute_bytes + shape.vocab * shape.hidden * 4
 
 
+@dataclass
+class HostRam:
+    """Host RAM per rank above the runtime while the weights arrive and during the final save."""
+    loading: str    # how the weights reach the ranks
+    load_main: int
+    load_other: int
+    save_main: int
+    save_other: int
+
+
+def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient_loading: bool,
+             weight_bytes: int = 4, max_shard_size: int = 2 * 10**9) -> HostRam:
+    full = weight_bytes * shape.params
+    shard = -(-full // num_processes) if sharded else full
+    if not sharded:
+        loading, load_main, load_other = "every rank loads the whole model", full, full
+    elif ram_efficient_loading and shape.own_shards:
+        loading, load_main, load_other = "each rank reads only its shard from the files", shard, shard
+    elif ram_efficient_loading:
+        loading = "the main process loads the model and sends each rank its shard"
+        load_main, load_other = full + shard, shard + weight_bytes * shape.largest_tensor
+    else:
+        loading, load_main, load_other = "every rank loads the whole model, then keeps its shard", full + shard, full + shard
+    # final/ is written in fp32; unsharded tensors are written as they are, without a copy.
+    state, gathered = 4 * shape.params, (4 * shape.largest_tensor if sharded else 0)
+    save_main = min(max_shard_size, state) + gathered if sharded else 0
+    if shape.trainable and shape.trainable < shape.params:
+        save_main = 2 * state  # a LoRA run's merge: the gathered state and the merged copy
+    return HostRam(loading, load_main, load_other, save_main, 2 * gathered)
+
+
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
-             mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4) -> list[Estimate]:
+             mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
+             ram_efficient_loading: bool = True) -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     of a LoRA run stays so; trainable parameters are fp32 under mixed precision
     (Accelerate upcasts them) and LoRA adapters always are (peft upcasts them)."""
@@ -201,19 +252,20 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
     ]
     for e in estimates[:-1]:  # offload needs a GPU
-        e.peak_rss = cpu_peak_rss(shape, e, n, weight_bytes)
+        sharded = n > 1 and e.strategy != "DDP"
+        load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main
+        e.peak_rss = cpu_peak_rss(shape, e, sharded, load)
     return estimates
 
 
-def cpu_peak_rss(shape: ModelShape, e: Estimate, num_processes: int, weight_bytes: int = 4) -> int:
+def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> int:
     """What a CPU rank's resident set peaks at (see the module docstring)."""
-    sharded = num_processes > 1 and e.strategy != "DDP"
     churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
-    load = weight_bytes * shape.params + (e.params if sharded else 0)
     return RUNTIME_BYTES + max(load, e.total + int(churn))
 
 
-def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None) -> str:
+def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None,
+           host: HostRam | None = None) -> str:
     trainable = (f", of which {shape.trainable:,} trainable adapters ({100 * shape.trainable / shape.params:.2f}%)"
                  if shape.trainable and shape.trainable < shape.params else "")
     lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32){trainable}; largest FSDP unit "
@@ -225,4 +277,8 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
         rss = "GPU only" if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
                      f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
+    if host is not None:
+        lines += ["", f"Host RAM per rank above the runtime ({RUNTIME_BYTES:,}): loading the weights "
+                      f"{host.load_main:,} on the main process, {host.load_other:,} on each other ({host.loading}); "
+                      f"the final save {host.save_main:,} on the main process, {host.save_other:,} on each other."]
     return "\n".join(lines)
