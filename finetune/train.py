@@ -188,6 +188,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     if task.own_shards is not None:
         task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
+        accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
     load_peak_rss = host.peak()
 
     checkpoints = CheckpointManager(
