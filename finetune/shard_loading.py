@@ -110,9 +110,12 @@ class OwnShards:
     @classmethod
     def for_model(cls, model_source: str, config: PretrainedConfig, auto_class) -> "OwnShards | None":
         """None unless every parameter and persistent buffer of the model the
-        config describes is in the files with its shape, under its name or
-        with the base model prefix added or removed (GPT-2's Hub files have no
-        `transformer.`), or under another name of a tied tensor."""
+        config describes is in the files with its shape, under the name
+        transformers would load it as: its checkpoint renamings (GPT-NeoX's
+        `embed_out` is `lm_head`), the base model prefix added or removed
+        (GPT-2's Hub files have no `transformer.`), or another name of a tied
+        tensor. A weight transformers converts on load (fused experts, ...)
+        means None."""
         path = Path(model_source)
         try:
             stored = stored_tensors(path) if path.is_dir() else None
@@ -122,13 +125,13 @@ class OwnShards:
             return None
         with torch.device("meta"):
             model = auto_class.from_config(config)
-        prefix = getattr(model, "base_model_prefix", "") or ""
+        by_model_name = _as_loaded(stored, model)
+        if by_model_name is None:
+            return None
         aliases = _tied_names(model)
         sources = {}
         for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and persistent buffers
-            candidates = [variant for alias in aliases.get(name, [name])
-                          for variant in (alias, alias.removeprefix(f"{prefix}."), f"{prefix}.{alias}")]
-            found = next((stored[c] for c in candidates if c in stored), None)
+            found = next((by_model_name[a] for a in aliases.get(name, [name]) if a in by_model_name), None)
             if found is None or found.shape != tuple(tensor.shape):
                 return None
             sources[name] = found
@@ -158,6 +161,25 @@ class OwnShards:
             if any(offset[1:]) or tuple(local.shape[1:]) != source.shape[1:]:  # FSDP2 shards rows only
                 raise RuntimeError(f"{name} is sharded by columns ({target.placements}); only row shards are read")
             source.read_rows(offset[0] if offset else 0, local)
+
+
+def _as_loaded(stored: dict[str, StoredTensor], model: torch.nn.Module) -> dict[str, StoredTensor] | None:
+    """The stored tensors under the names from_pretrained gives them, by
+    transformers' own renaming rules; None when one needs more than a rename."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    renamed = {}
+    for key, tensor in stored.items():
+        name, converted_by = rename_source_key(key, renamings, converters, model.base_model_prefix or None, meta_state)
+        if converted_by is not None:
+            return None
+        renamed[name] = tensor
+    return renamed
 
 
 def _tied_names(model: torch.nn.Module) -> dict[str, list[str]]:

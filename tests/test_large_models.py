@@ -129,11 +129,11 @@ def family_configs():
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  vocab_size=416, max_position_embeddings=128)
+    # Untied with grouped-query attention: Llama, Mistral; tied: Qwen2, OPT, Gemma, GPT-2.
     return {
         "llama": LlamaConfig(**small, num_key_value_heads=2, tie_word_embeddings=False),
         "mistral": MistralConfig(**small, num_key_value_heads=2),
         "qwen2-tied": Qwen2Config(**small, num_key_value_heads=2, tie_word_embeddings=True),
-        "qwen2-untied": Qwen2Config(**small, num_key_value_heads=2, tie_word_embeddings=False),
         "gpt-neox": GPTNeoXConfig(**small, rotary_pct=0.25),
         "opt": OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=416,
                          max_position_embeddings=128, word_embed_proj_dim=64),

@@ -437,3 +437,41 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_loads_them_into_the_live_
     fresh.load_state_dict(saved)  # strict: every frozen name comes from the live model
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
+
+
+def test_own_shards_read_what_from_pretrained_loads(tmp_path):
+    """A GPT-2 stored as the Hub's gpt2 is (no `transformer.` prefix, the tied
+    head left out) and a GPT-NeoX (stored `embed_out`, loaded as `lm_head`):
+    every tensor read from the files equals from_pretrained's, and a file
+    whose names transformers would not load is left to from_pretrained."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig
+
+    from finetune.shard_loading import OwnShards
+    from finetune.models import placeholder_model
+
+    torch.manual_seed(0)
+    for config in (GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32),
+                   GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 vocab_size=64, max_position_embeddings=32)):
+        path = tmp_path / config.model_type
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        if config.model_type == "gpt2":
+            stored = load_file(path / "model.safetensors")
+            save_file({k.removeprefix("transformer."): v for k, v in stored.items()}, path / "model.safetensors",
+                      metadata={"format": "pt"})
+        expected = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        own = OwnShards.for_model(str(path), config, AutoModelForCausalLM)
+        assert own is not None
+        model = placeholder_model(config, AutoModelForCausalLM, torch.float32, trust_remote_code=False)
+        own.fill(model)
+        got = model.state_dict()
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight or config.model_type != "gpt2"
+
+    stored = load_file(tmp_path / "gpt2" / "model.safetensors")
+    save_file({"renamed." + k: v for k, v in stored.items()}, tmp_path / "gpt2" / "model.safetensors")
+    assert OwnShards.for_model(str(tmp_path / "gpt2"), config=GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
+                                                                        n_positions=32),
+                               auto_class=AutoModelForCausalLM) is None
