@@ -72,9 +72,9 @@ class Run:
     progress: TrainingProgress
     shards: ShardReport
     fsdp_units: int
-    host: HostMemory                                              # this rank's resident set, phase by phase
-    load_peak_rss: int                                            # the highest resident set until `prepare` returned
     evals: list[tuple[int, dict]] = field(default_factory=list)  # (step, result) of every evaluation
+    host: HostMemory = field(default_factory=HostMemory)          # this rank's resident set, phase by phase
+    load_peak_rss: int = 0                                        # the highest resident set until `prepare` returned
     last_loss: float | None = None                                # stays None when a resume has no step left
     state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
     train_seconds: float = 0.0

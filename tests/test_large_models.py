@@ -47,11 +47,13 @@ def save_model(config, path):
 
 @pytest.fixture(scope="module")
 def medium_dir(tmp_path_factory):
-    """355 M parameters, 1.42 GB in fp32: the shape of GPT-2 medium."""
+    """355 M parameters, 1.42 GB in fp32: the shape of GPT-2 medium (removed after the module: GBs of disk)."""
     from transformers import GPT2Config
 
-    return save_model(GPT2Config(vocab_size=50257, n_embd=1024, n_layer=24, n_head=16, n_positions=1024),
+    path = save_model(GPT2Config(vocab_size=50257, n_embd=1024, n_layer=24, n_head=16, n_positions=1024),
                       tmp_path_factory.mktemp("medium") / "base")
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,11 @@ def medium_runs(tmp_path_factory, env, small_corpus, medium_dir):
         check_ok(proc)
         assert "each rank read only its shard of the weights" in proc.stdout
         runs[nproc] = run_dir
-    return runs
+        if nproc == 3:  # only the 2-process run's checkpoint is exported (4.3 GB each with AdamW state)
+            shutil.rmtree(run_dir / "checkpoints")
+    yield runs
+    for run_dir in runs.values():
+        shutil.rmtree(run_dir)
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -87,6 +93,18 @@ def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs,
     largest_file = max(f.stat().st_size for f in files)
     for rank, rise in enumerate(summary["final_save_rss_rise_bytes_per_rank"]):
         assert rise < largest_file + model_bytes / nproc, (rank, rise)
+    # What estimate-memory predicts for these two moments.
+    from finetune.memory import host_ram, model_shape
+
+    predicted = host_ram(model_shape(str(medium_dir)), nproc, sharded=True, ram_efficient_loading=True,
+                         max_shard_size=300 * 10**6)
+    assert predicted.load_main == predicted.load_other
+    for rank, (start, load, rise) in enumerate(zip(summary["rss_after_imports_bytes_per_rank"],
+                                                   summary["load_peak_rss_bytes_per_rank"],
+                                                   summary["final_save_rss_rise_bytes_per_rank"])):
+        assert abs(load - start - predicted.load_main) < 0.15 * predicted.load_main, (rank, load - start)
+        expected_rise = predicted.save_main if rank == 0 else predicted.save_other
+        assert abs(rise - expected_rise) < 0.3 * expected_rise, (rank, rise, expected_rise)
     # The weights after `prepare` were the files' (a step at lr 1e-30 moves no weight
     # but those at zero, by 1e-30), and the streamed save wrote every tensor whole.
     final_tensors = model_tensors(final)
@@ -119,6 +137,8 @@ def test_export_streams_from_the_shards(medium_runs, tmp_path):
         assert torch.equal(exported[name], tensor), name
     final = model_tensors(run_dir / "final")
     assert all(torch.equal(final[name], tensor) for name, tensor in exported.items())
+    shutil.rmtree(tmp_path / "export")
+    shutil.rmtree(tmp_path / "merged")
 
 
 # --- the decoder families ---------------------------------------------------------------------------
