@@ -24,6 +24,7 @@ from finetune.errors import UsageError
 from finetune.model_dir import Weights, atomic_dir, check_output_dir, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
+from finetune.shard_loading import SAFETENSORS_DTYPES
 from finetune.tasks import task_for_config
 from finetune.verify import check_dcp_dir, verify_manifest
 
@@ -46,12 +47,6 @@ def find_model_weights(path: str | Path) -> Path:
             return candidate
     raise UsageError(f"{path} holds no checkpoint ({MODEL_SHARDS_DIR}/ with DCP shards, or model.safetensors); "
                      "pass a run dir or a checkpoints/step_NNNNNN dir")
-
-
-# safetensors' dtype names (the unsharded checkpoint layout is one safetensors file).
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
 
 
 def checkpoint_weights(weights: Path) -> Weights:

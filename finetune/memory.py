@@ -123,7 +123,7 @@ def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
                       largest_tensor=max(p.numel() for p in unique.values()),
                       own_shards=name_or_path not in GPT2_PRESETS
-                      and OwnShards.for_model(name_or_path, config, causal_lm.auto()) is not None)
+                      and OwnShards.for_model(name_or_path, config, causal_lm.auto(), trust_remote_code=False) is not None)
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from finetune.distributed import canonical_name
+from finetune.model_dir import tied_duplicates
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -108,7 +108,8 @@ class OwnShards:
     sources: dict[str, StoredTensor]  # the model's name (tied ones under each name) -> its bytes
 
     @classmethod
-    def for_model(cls, model_source: str, config: PretrainedConfig, auto_class) -> "OwnShards | None":
+    def for_model(cls, model_source: str, config: PretrainedConfig, auto_class,
+                  trust_remote_code: bool) -> "OwnShards | None":
         """None unless every parameter and persistent buffer of the model the
         config describes is in the files with its shape, under the name
         transformers would load it as: its checkpoint renamings (GPT-NeoX's
@@ -124,14 +125,16 @@ class OwnShards:
         if not stored:
             return None
         with torch.device("meta"):
-            model = auto_class.from_config(config)
+            model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
         by_model_name = _as_loaded(stored, model)
         if by_model_name is None:
             return None
-        aliases = _tied_names(model)
+        duplicates = tied_duplicates(model)  # a tied tensor is stored once, under any of its names
         sources = {}
         for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and persistent buffers
-            found = next((by_model_name[a] for a in aliases.get(name, [name]) if a in by_model_name), None)
+            first = duplicates.get(name, name)
+            aliases = [first, *(d for d, f in duplicates.items() if f == first)]
+            found = next((by_model_name[a] for a in aliases if a in by_model_name), None)
             if found is None or found.shape != tuple(tensor.shape):
                 return None
             sources[name] = found
@@ -180,12 +183,4 @@ def _as_loaded(stored: dict[str, StoredTensor], model: torch.nn.Module) -> dict[
             return None
         renamed[name] = tensor
     return renamed
-
-
-def _tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Each parameter name -> every name the same tensor goes by."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[id(param)].append(name)
-    return {name: group for group in names.values() for name in group}
 

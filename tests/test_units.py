@@ -461,7 +461,7 @@ def test_own_shards_read_what_from_pretrained_loads(tmp_path):
             save_file({k.removeprefix("transformer."): v for k, v in stored.items()}, path / "model.safetensors",
                       metadata={"format": "pt"})
         expected = AutoModelForCausalLM.from_pretrained(path).state_dict()
-        own = OwnShards.for_model(str(path), config, AutoModelForCausalLM)
+        own = OwnShards.for_model(str(path), config, AutoModelForCausalLM, trust_remote_code=False)
         assert own is not None
         model = placeholder_model(config, AutoModelForCausalLM, torch.float32, trust_remote_code=False)
         own.fill(model)
@@ -474,4 +474,4 @@ def test_own_shards_read_what_from_pretrained_loads(tmp_path):
     save_file({"renamed." + k: v for k, v in stored.items()}, tmp_path / "gpt2" / "model.safetensors")
     assert OwnShards.for_model(str(tmp_path / "gpt2"), config=GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
                                                                         n_positions=32),
-                               auto_class=AutoModelForCausalLM) is None
+                               auto_class=AutoModelForCausalLM, trust_remote_code=False) is None

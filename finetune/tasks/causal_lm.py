@@ -89,8 +89,9 @@ class CausalLM(Task):
             run_dir.mkdir(parents=True, exist_ok=True)
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
         # weights; the others build the architecture and receive their shards in `prepare`.
-        tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir)
-        if weights_from_main_process(accelerator):
+        from_main = weights_from_main_process(accelerator)
+        tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
+        if from_main:
             check_same_layout(accelerator, model)
             self.base_record = broadcast_from_main(self.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
@@ -126,16 +127,15 @@ class CausalLM(Task):
         return build_sft_splits(raw, tokenizer, data_format, cfg.block_size, cfg.train_on_prompt, cfg.packing,
                                 cfg.long_examples, cfg.preprocessing_num_workers)
 
-    def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path):
+    def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path, from_main: bool):
         """A preset trains its own tokenizer on the training text (once, on the
         main process, saved with the run); anything else brings its tokenizer.
 
-        With fsdp_cpu_ram_efficient_loading, the ranks build the model without
+        With fsdp_cpu_ram_efficient_loading (`from_main`), the ranks build the model without
         its weights. When --model is a dir of safetensors files, each rank reads
         its own shards after `prepare` (finetune/shard_loading.py); otherwise
         the main process loads the weights and `prepare` sends them."""
         cfg = self.cfg
-        from_main = weights_from_main_process(accelerator)
         if cfg.model in GPT2_PRESETS:
             tokenizer_dir = run_dir / "tokenizer"
             if accelerator.is_main_process and not (tokenizer_dir / "tokenizer.json").is_file():
@@ -147,7 +147,8 @@ class CausalLM(Task):
         else:
             if from_main:
                 config = models.load_config(self.model_source, cfg.trust_remote_code, ", ".join(self.entry.presets))
-                self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto())
+                self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto(),
+                                                      cfg.trust_remote_code)
             weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)
             model = self.base_model(None, weights_here)
             try:
