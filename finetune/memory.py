@@ -65,7 +65,7 @@ RUNTIME_BYTES = 530 * MIB
 # gradients and the optimizer's temporaries pass through it; sharded, also
 # the gathered units and their unsharded gradients.
 HEAP_CHURN_ONE_PROCESS = 2.0
-HEAP_CHURN_SHARDED = 3.75
+HEAP_CHURN_SHARDED = 3.25
 
 
 @dataclass
