@@ -188,3 +188,35 @@ def test_each_family_trains_resumes_and_exports_on_the_sharded_path(family, tmp_
         logits = [AutoModelForCausalLM.from_pretrained(d).eval()(tokens).logits
                   for d in (run_dir / "final", tmp_path / "export")]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_first_loss_is_the_saved_models_loss_on_the_first_batch(tmp_path, env):
+    """The first step's forward runs on the weights each rank read from its
+    shard: its logged loss must be the saved model's loss on that batch,
+    computed here by transformers alone. The training text makes exactly one
+    global batch, so the first batch is all of it, whatever the order."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = save_model(family_configs()["qwen2-tied"], tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    words = " ".join(m["content"] for row in conversations(40) for m in row["messages"]).split()
+    text = " ".join(words[:200])
+    ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]  # one document, as the tool tokenises it
+    block_size = min(len(ids) // 4, 128)  # 4 blocks (the rest dropped) within the model's 128 positions
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (data / "validation.jsonl").write_text(json.dumps({"text": text[: len(text) // 2]}) + "\n")
+    run_dir = tmp_path / "run"
+    proc = run_cli(["train", "--model", str(base), "--dataset", str(data), "--block_size", str(block_size),
+                    "--per_device_batch_size", "2", "--max_steps", "1", "--max_eval_batches", "1",
+                    "--sample_prompt", "", "--output_dir", str(run_dir)], env, mixed_precision="no")
+    check_ok(proc)
+    assert "each rank read only its shard of the weights" in proc.stdout
+    logged = next(row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                  if row.get("step") == 1 and "loss" in row)
+
+    blocks = torch.tensor(ids[: 4 * block_size]).view(4, block_size)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(blocks, labels=blocks).loss.item()
+    assert logged == pytest.approx(expected, rel=1e-5, abs=1e-5)
