@@ -40,13 +40,15 @@ class StoredTensor:
     shape: tuple[int, ...]
     start: int  # absolute offset of its first byte in the file
 
-    def read_rows(self, first_row: int, out: torch.Tensor) -> None:
+    def read_rows(self, first_row: int, out: torch.Tensor, load_dtype: torch.dtype | None = None) -> None:
         """Rows first_row.. of the tensor (as many as `out` has) into `out`,
         read straight from the file: no mapping of the file (its pages would
         count in this process's resident set) and, when the dtypes agree, no
-        copy in between."""
+        copy in between. `load_dtype` (default: out's) is the dtype the values
+        pass through, as when bf16-loaded weights are held in fp32."""
+        load_dtype = load_dtype or out.dtype
         row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
-        same = out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous()
+        same = out.dtype == self.dtype == load_dtype and out.device.type == "cpu" and out.is_contiguous()
         buffer = out if same else torch.empty(out.shape, dtype=self.dtype)
         raw = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
         with open(self.file, "rb", buffering=0) as f:
@@ -58,7 +60,7 @@ class StoredTensor:
                     raise OSError(f"{self.file} ends inside {self.name}")
                 done += got
         if not same:
-            out.copy_(buffer)
+            out.copy_(buffer.to(load_dtype))
 
 
 def read_header(file: Path) -> dict[str, StoredTensor]:
@@ -106,10 +108,11 @@ def base_name(name: str) -> str:
 class OwnShards:
     """Where each of the model's tensors lies in the files."""
     sources: dict[str, StoredTensor]  # the model's name (tied ones under each name) -> its bytes
+    load_dtype: torch.dtype            # --model_dtype: floating-point weights are rounded to it on the way
 
     @classmethod
-    def for_model(cls, model_source: str, config: PretrainedConfig, auto_class,
-                  trust_remote_code: bool) -> "OwnShards | None":
+    def for_model(cls, model_source: str, config: PretrainedConfig, auto_class, trust_remote_code: bool,
+                  load_dtype: torch.dtype = torch.float32) -> "OwnShards | None":
         """None unless every parameter and persistent buffer of the model the
         config describes is in the files with its shape, under the name
         transformers would load it as: its checkpoint renamings (GPT-NeoX's
@@ -138,12 +141,13 @@ class OwnShards:
             if found is None or found.shape != tuple(tensor.shape):
                 return None
             sources[name] = found
-        return cls(sources)
+        return cls(sources, load_dtype)
 
     @torch.no_grad()
     def fill(self, model: torch.nn.Module) -> None:
         """Read into every parameter and persistent buffer of the sharded model
-        the rows this rank keeps (cast to its dtype, as from_pretrained does).
+        the rows this rank keeps, cast as from_pretrained(dtype=--model_dtype)
+        casts them, then to the tensor's dtype (fp32 under mixed precision).
         LoRA adapters are not in the files: peft initialised them, the same
         on every rank."""
         from torch.distributed.tensor import DTensor
@@ -163,7 +167,8 @@ class OwnShards:
                 continue
             if any(offset[1:]) or tuple(local.shape[1:]) != source.shape[1:]:  # FSDP2 shards rows only
                 raise RuntimeError(f"{name} is sharded by columns ({target.placements}); only row shards are read")
-            source.read_rows(offset[0] if offset else 0, local)
+            via = self.load_dtype if local.is_floating_point() and source.dtype.is_floating_point else None
+            source.read_rows(offset[0] if offset else 0, local, via)
 
 
 def _as_loaded(stored: dict[str, StoredTensor], model: torch.nn.Module) -> dict[str, StoredTensor] | None:

@@ -475,3 +475,37 @@ def test_own_shards_read_what_from_pretrained_loads(tmp_path):
     assert OwnShards.for_model(str(tmp_path / "gpt2"), config=GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
                                                                         n_positions=32),
                                auto_class=AutoModelForCausalLM, trust_remote_code=False) is None
+
+
+def test_bf16_loaded_weights_held_in_fp32_without_writing_the_placeholders(tmp_path):
+    """--model_dtype bfloat16 under mixed precision: the trainable parameters
+    are fp32 before sharding (as Accelerate would upcast them), an unwritten
+    placeholder stays unwritten (no fp32 model per rank), and the rows read
+    into it are the files' values rounded to bf16, as from_pretrained loads them."""
+    from transformers import LlamaConfig
+
+    from finetune.distributed import resident_bytes
+    from finetune.models import placeholder_model, upcast_trainable
+    from finetune.shard_loading import OwnShards
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96, max_position_embeddings=32)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")  # fp32 files
+    files = load_file(tmp_path / "llama" / "model.safetensors")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).state_dict()
+    model = placeholder_model(config, AutoModelForCausalLM, torch.bfloat16, trust_remote_code=False)
+    upcast_trainable(model, written=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    OwnShards.for_model(str(tmp_path / "llama"), config, AutoModelForCausalLM, False, torch.bfloat16).fill(model)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], expected[k].float()) for k in expected)
+    assert any(not torch.equal(got[k], files[k]) for k in files)  # rounded through bf16 indeed
+
+    big = placeholder_model(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                                        num_attention_heads=8, vocab_size=1024), AutoModelForCausalLM, torch.bfloat16,
+                            trust_remote_code=False)  # 0.4 GB in fp32
+    before = resident_bytes()
+    upcast_trainable(big, written=False)
+    assert resident_bytes() - before < 50 * 2**20
+    assert all(p.dtype == torch.float32 for p in big.parameters())

@@ -48,6 +48,17 @@ def placeholder_model(config: PretrainedConfig, auto_class, dtype: torch.dtype,
     return model
 
 
+def upcast_trainable(model: torch.nn.Module, written: bool) -> None:
+    """Trainable parameters in fp32, as Accelerate makes them before sharding
+    under mixed precision (the fp32 master copy), done before `prepare` so that
+    every rank builds the same layout. Where the parameters were never written
+    (`placeholder_model`) they get new unwritten fp32 tensors: upcasting them
+    would write a whole fp32 model on every rank."""
+    for param in model.parameters():  # tied parameters once
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32) if written else torch.empty(param.shape, dtype=torch.float32)
+
+
 def fuse_activations(model: torch.nn.Module) -> int:
     """Swap transformers' tanh-approximated GELU written as element-wise ops
     (gelu_new, gelu_fast: GPT-2, Phi, GPT-J, ...) for the same function as one

@@ -92,6 +92,8 @@ class CausalLM(Task):
         from_main = weights_from_main_process(accelerator)
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
         if from_main:
+            if accelerator.mixed_precision != "no":
+                models.upcast_trainable(model, written=accelerator.is_main_process and self.own_shards is None)
             check_same_layout(accelerator, model)
             self.base_record = broadcast_from_main(self.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
@@ -148,7 +150,7 @@ class CausalLM(Task):
             if from_main:
                 config = models.load_config(self.model_source, cfg.trust_remote_code, ", ".join(self.entry.presets))
                 self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto(),
-                                                      cfg.trust_remote_code)
+                                                      cfg.trust_remote_code, getattr(torch, cfg.model_dtype))
             weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)
             model = self.base_model(None, weights_here)
             try:
