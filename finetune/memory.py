@@ -32,7 +32,7 @@ Host RAM at load and at the final save (`host_ram`), per rank above the runtime:
     final save   the main process holds one output file (--max_shard_size) and
                  the tensor being gathered; the others the gathered tensor
                  (twice: all-gather output and its padded buffer); a LoRA
-                 run's merge holds the whole fp32 state on the main process
+                 run's merge adds a merged copy of the tensor
 """
 
 from __future__ import annotations
@@ -217,11 +217,14 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
         load_main, load_other = full + shard, shard + weight_bytes * shape.largest_tensor
     else:
         loading, load_main, load_other = "every rank loads the whole model, then keeps its shard", full + shard, full + shard
-    # final/ is written in fp32; unsharded tensors are written as they are, without a copy.
-    state, gathered = 4 * shape.params, (4 * shape.largest_tensor if sharded else 0)
+    # final/ is written in fp32 (a LoRA run's frozen base in its own dtype), one
+    # file at a time; unsharded tensors are written as they are, without a copy.
+    lora = 0 < shape.trainable < shape.params
+    state_bytes = weight_bytes if lora else 4
+    state, gathered = state_bytes * shape.params, (state_bytes * shape.largest_tensor if sharded else 0)
     save_main = min(max_shard_size, state) + gathered if sharded else 0
-    if shape.trainable and shape.trainable < shape.params:
-        save_main = 2 * state  # a LoRA run's merge: the gathered state and the merged copy
+    if lora:  # each adapted tensor is merged into a new copy
+        save_main = min(max_shard_size, state) + gathered + state_bytes * shape.largest_tensor
     return HostRam(loading, load_main, load_other, save_main, 2 * gathered)
 
 

@@ -43,7 +43,7 @@ from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
 from finetune.model_dir import Weights, write_model_dir
-from finetune.models.lora import check_supported_here, merged_state_dict
+from finetune.models.lora import check_supported_here, merged_state_dict, merged_weights
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.profiling import StepProfiler
 from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
@@ -450,14 +450,15 @@ def write_final_model(run: Run) -> Path:
     """The trained model as a HF model dir, written by the main process one
     output file at a time (`--max_shard_size`): the ranks gather the tensors
     of each file as it is written, so no rank ever holds the whole state. A
-    LoRA run's is the base with the adapters merged in, as `merge_and_unload`
-    does, which needs the whole state on the main process."""
+    LoRA run's is the base with the adapters merged in, tensor by tensor, as
+    `merge_and_unload` adds them (FSDP1 gathers the whole state first)."""
     acc = run.accelerator
     final_dir = run.run_dir / "final"
-    hf_config = acc.unwrap_model(run.model).config
+    live_model = acc.unwrap_model(run.model)
+    hf_config = live_model.config
     write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
                          max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
-    if run.checkpoints.adapter_config is not None or not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP:
+    if not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP:  # FSDP1: Accelerate gathers the state
         # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
         state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
         if acc.is_main_process and run.checkpoints.adapter_config is not None:
@@ -469,11 +470,17 @@ def write_final_model(run: Run) -> Path:
             if acc.is_main_process:
                 write_model_dir(state_dict, hf_config, final_dir, **write_options)
     else:  # FSDP2 (DTensor shards), DDP or one process
-        tensors = {canonical_name(name): t for name, t in acc.unwrap_model(run.model).state_dict().items()}
+        tensors = {canonical_name(name): t for name, t in live_model.state_dict().items()}
         specs = {name: (t.shape, t.dtype) for name, t in tensors.items()}
+        layers = {canonical_name(name): module for name, module in live_model.named_modules()}
+
+        def weights(fetch) -> Weights:
+            if run.checkpoints.adapter_config is None:
+                return Weights(specs, fetch)
+            return merged_weights(specs, fetch, layers)
 
         def write() -> None:
-            serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(Weights(specs, fetch), hf_config, final_dir,
+            serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(weights(fetch), hf_config, final_dir,
                                                                             **write_options))
     try:
         on_every_rank(acc, write)

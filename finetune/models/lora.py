@@ -108,6 +108,49 @@ def merged_state_dict(base: PreTrainedModel, state: dict[str, torch.Tensor], con
     return peft_model.merge_and_unload().state_dict()
 
 
+def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layers: dict[str, torch.nn.Module]):
+    """The merged model's tensors, computed a few at a time as they are
+    fetched, from a PeftModel's (`live`: shapes and dtypes under peft's names;
+    `fetch(names)` returns those tensors whole; `layers`: its modules by name):
+    a target's base weight plus its adapter's delta, as peft's
+    `merge_and_unload` adds it; every other tensor as it is."""
+    from finetune.model_dir import Weights
+
+    prefix = "base_model.model."
+    sources: dict[str, list[str]] = {}  # the merged model's name -> the live tensors it is made of
+    for name in live:
+        if ".lora_" in name:
+            continue
+        merged_name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        sources[merged_name] = [name]
+        layer = name.removesuffix(".base_layer.weight")
+        if layer != name and ADAPTER_NAME in getattr(layers.get(layer), "lora_A", {}):
+            sources[merged_name] += [f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
+
+    def fetch_merged(names: list[str]) -> dict[str, torch.Tensor]:
+        got = fetch([source for name in names for source in sources[name]])
+        out = {}
+        for name in names:
+            base, *adapter = sources[name]
+            out[name] = got[base]
+            if adapter:
+                layer = layers[base.removesuffix(".base_layer.weight")]
+                out[name] = got[base].clone()  # fetch may hand out the live tensor itself (one process)
+                out[name] += _delta_weight(layer, got[adapter[0]], got[adapter[1]])
+        return out
+    return Weights({name: live[names[0]] for name, names in sources.items()}, fetch_merged)
+
+
+def _delta_weight(layer, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """peft's `Linear.get_delta_weight` for whole adapter tensors (the layer's may be shards)."""
+    from peft.utils.other import transpose
+
+    cast_to_fp32 = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
+    a, b = (lora_a.float(), lora_b.float()) if cast_to_fp32 else (lora_a, lora_b)
+    delta = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER_NAME]
+    return delta.to(lora_b.dtype) if cast_to_fp32 else delta
+
+
 # --- which base the adapters belong to -------------------------------------------------------------
 
 SAMPLE_BYTES = 1 << 20     # read this much at each sampled offset of a large file
