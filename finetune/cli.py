@@ -275,6 +275,19 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+# Every rank meets the same bad input and rank 0 names it. A rank that exited
+# first would have the launcher end rank 0 before it printed (seen under load),
+# so the others wait, up to this long, for the launcher to end them once rank 0
+# has exited.
+RANK_ZERO_GRACE_S = 60
+
+
+def leave_the_word_to_rank_zero() -> None:
+    import time
+
+    time.sleep(RANK_ZERO_GRACE_S)
+
+
 def _run(cfg: TrainConfig) -> int:
     from finetune.inference import generate_text
     from finetune.report import eval_line
@@ -414,6 +427,8 @@ def run_command(argv: list[str] | None) -> int:
     except UsageError as e:
         if is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
+        else:
+            leave_the_word_to_rank_zero()
         return e.exit_code
     except RankLost as e:  # every rank that noticed says so: the one that stopped answering may be rank 0
         print(f"error: {e}", file=sys.stderr)
