@@ -509,3 +509,34 @@ def test_bf16_loaded_weights_held_in_fp32_without_writing_the_placeholders(tmp_p
     upcast_trainable(big, written=False)
     assert resident_bytes() - before < 50 * 2**20
     assert all(p.dtype == torch.float32 for p in big.parameters())
+
+
+def test_merged_weights_equal_peft_merge_and_unload():
+    """The final save's merge, tensor by tensor, gives exactly what peft's
+    merge_and_unload gives: GPT-2's Conv1D (fan_in_fan_out) and Llama's Linear,
+    with adapters that have trained (B nonzero)."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    from finetune.model_dir import Weights
+    from finetune.models.lora import add_adapters, lora_config, merged_weights
+
+    torch.manual_seed(0)
+    for base in (GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)),
+                 AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                              num_attention_heads=2, vocab_size=64))):
+        model = add_adapters(base, lora_config(4, 8, 0.0, "all-linear"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+        live = model.state_dict()
+        before = {n: t.clone() for n, t in live.items()}
+        weights = merged_weights({n: (t.shape, t.dtype) for n, t in live.items()},
+                                 Weights.in_memory(live).fetch, dict(model.named_modules()))
+        expected = copy.deepcopy(model).merge_and_unload().state_dict()
+        assert set(weights.specs) == set(expected)
+        got = weights.fetch(list(weights.specs))
+        assert all(torch.equal(got[n], expected[n]) for n in expected)
+        assert all(torch.equal(model.state_dict()[n], before[n]) for n in before)  # the live model is untouched

@@ -132,11 +132,12 @@ def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layer
         out = {}
         for name in names:
             base, *adapter = sources[name]
-            out[name] = got[base]
-            if adapter:
-                layer = layers[base.removesuffix(".base_layer.weight")]
-                out[name] = got[base].clone()  # fetch may hand out the live tensor itself (one process)
-                out[name] += _delta_weight(layer, got[adapter[0]], got[adapter[1]])
+            if not adapter:
+                out[name] = got[base]
+                continue
+            merged = got[base].clone()  # fetch may hand out the live tensor itself (one process)
+            merged += _delta_weight(layers[base.removesuffix(".base_layer.weight")], *(got[a] for a in adapter))
+            out[name] = merged
         return out
     return Weights({name: live[names[0]] for name, names in sources.items()}, fetch_merged)
 
