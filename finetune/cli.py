@@ -278,14 +278,17 @@ def is_rank_zero() -> bool:
 # Every rank meets the same bad input and rank 0 names it. A rank that exited
 # first would have the launcher end rank 0 before it printed (seen under load),
 # so the others wait, up to this long, for the launcher to end them once rank 0
-# has exited.
+# has exited; not when the launcher is already gone (nobody would end them).
 RANK_ZERO_GRACE_S = 60
+LAUNCHER_PID = os.getppid()
 
 
 def leave_the_word_to_rank_zero() -> None:
     import time
 
-    time.sleep(RANK_ZERO_GRACE_S)
+    deadline = time.monotonic() + RANK_ZERO_GRACE_S
+    while os.getppid() == LAUNCHER_PID and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _run(cfg: TrainConfig) -> int:
