@@ -222,9 +222,8 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
     lora = 0 < shape.trainable < shape.params
     state_bytes = weight_bytes if lora else 4
     state, gathered = state_bytes * shape.params, (state_bytes * shape.largest_tensor if sharded else 0)
-    save_main = min(max_shard_size, state) + gathered if sharded else 0
-    if lora:  # each adapted tensor is merged into a new copy
-        save_main = min(max_shard_size, state) + gathered + state_bytes * shape.largest_tensor
+    merged_copy = state_bytes * shape.largest_tensor if lora else 0  # each adapted tensor is merged into a new copy
+    save_main = min(max_shard_size, state) + gathered + merged_copy if sharded or lora else 0
     return HostRam(loading, load_main, load_other, save_main, 2 * gathered)
 
 

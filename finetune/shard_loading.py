@@ -132,12 +132,14 @@ class OwnShards:
         by_model_name = _as_loaded(stored, model)
         if by_model_name is None:
             return None
-        duplicates = tied_duplicates(model)  # a tied tensor is stored once, under any of its names
+        # A tied tensor is stored once, under any of its names: each name -> all of them.
+        groups: dict[str, list[str]] = {}
+        for duplicate, first in tied_duplicates(model).items():
+            groups.setdefault(first, [first]).append(duplicate)
+        aliases = {name: group for group in groups.values() for name in group}
         sources = {}
         for name, tensor in model.state_dict(keep_vars=True).items():  # parameters and persistent buffers
-            first = duplicates.get(name, name)
-            aliases = [first, *(d for d, f in duplicates.items() if f == first)]
-            found = next((by_model_name[a] for a in aliases if a in by_model_name), None)
+            found = next((by_model_name[a] for a in aliases.get(name, [name]) if a in by_model_name), None)
             if found is None or found.shape != tuple(tensor.shape):
                 return None
             sources[name] = found

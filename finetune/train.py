@@ -472,11 +472,11 @@ def write_final_model(run: Run) -> Path:
     else:  # FSDP2 (DTensor shards), DDP or one process
         tensors = {canonical_name(name): t for name, t in live_model.state_dict().items()}
         specs = {name: (t.shape, t.dtype) for name, t in tensors.items()}
-        layers = {canonical_name(name): module for name, module in live_model.named_modules()}
 
         def weights(fetch) -> Weights:
             if run.checkpoints.adapter_config is None:
                 return Weights(specs, fetch)
+            layers = {canonical_name(name): module for name, module in live_model.named_modules()}
             return merged_weights(specs, fetch, layers)
 
         def write() -> None:
