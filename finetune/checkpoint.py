@@ -2,7 +2,8 @@
 how to find one, check it, and load it (also on another number of ranks).
 
 Each checkpoint is `accelerator.save_state` output (model and optimizer as DCP
-shards under FSDP, scheduler, per-rank RNG states) plus
+shards under FSDP, DeepSpeed's own partition files under `pytorch_model/`
+with ZeRO, scheduler, per-rank RNG states) plus
 `training_progress.json` and the run config. It is written under a temporary
 name and renamed only after every rank has finished writing, so a directory
 named `step_NNNNNN` is always complete.
@@ -10,7 +11,8 @@ named `step_NNNNNN` is always complete.
 Across a change of world size, DCP reshards the model and the optimizer
 moments, and the step, LR schedule and epoch carry over exactly. The
 data position carries over to within one global batch (the epoch's sample
-order is the same, the cut between ranks is not). Ranks that did not exist
+order is the same, the cut between ranks is not). DeepSpeed checkpoints
+resume on the world size that wrote them only. Ranks that did not exist
 when the checkpoint was written get a fresh RNG stream seeded from
 (seed, step, rank).
 """
@@ -21,7 +23,7 @@ import json
 import os
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -38,13 +40,15 @@ from finetune.errors import UsageError
 from finetune.models import lora
 from finetune.model_dir import tied_duplicates, write_model_files
 from finetune.report import say
-from finetune.verify import MANIFEST, check_dcp_dir, check_pickled_file, verify_manifest, write_manifest
+from finetune.verify import (MANIFEST, check_dcp_dir, check_pickled_file, deepspeed_loads_weights_only,
+                             deepspeed_pickled_classes, verify_manifest, write_manifest)
 
 
 PROGRESS_FILE = "training_progress.json"
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
 OPTIMIZER_SHARDS_DIR = "optimizer_0"
 MODEL_CONFIG_DIR = "model_config"
+DEEPSPEED_DIR = "pytorch_model"  # what DeepSpeed's save_checkpoint writes under Accelerate's save_state
 PREFIX = "step_"
 FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
@@ -136,7 +140,9 @@ def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
     for name in (MODEL_SHARDS_DIR, OPTIMIZER_SHARDS_DIR):
         if (checkpoint_dir / name).is_dir():
             check_dcp_dir(checkpoint_dir / name)
-    if not (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
+    if layout(checkpoint_dir) == "DeepSpeed":
+        check_deepspeed_files(checkpoint_dir)
+    elif not (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
         check_pickled_file(checkpoint_dir / "optimizer.bin")  # the unsharded layout
     check_pickled_file(checkpoint_dir / "scheduler.bin")
     for rank in range(progress.world_size):
@@ -144,8 +150,43 @@ def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
     return progress
 
 
+def layout(checkpoint_dir: Path) -> str:
+    """How a checkpoint stores the model: FSDP's DCP shards, DeepSpeed's files, or one file."""
+    if (checkpoint_dir / MODEL_SHARDS_DIR).is_dir():
+        return "FSDP"
+    return "DeepSpeed" if (checkpoint_dir / DEEPSPEED_DIR).is_dir() else "unsharded"
+
+
+def run_layout(accelerator: Accelerator) -> str:
+    """The layout this run writes and reads."""
+    return {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(accelerator.distributed_type,
+                                                                                     "unsharded")
+
+
+def check_deepspeed_files(checkpoint_dir: Path) -> list[Path]:
+    """DeepSpeed's files, each loadable with weights_only and DeepSpeed's classes."""
+    try:
+        allowed = deepspeed_pickled_classes()
+    except ImportError:
+        raise UsageError(f"{checkpoint_dir} is a DeepSpeed checkpoint and DeepSpeed is not installed; "
+                         "`DS_BUILD_OPS=0 pip install 'finetune[deepspeed]'`") from None
+    files = sorted((checkpoint_dir / DEEPSPEED_DIR).glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        raise UsageError(f"{checkpoint_dir / DEEPSPEED_DIR} holds no DeepSpeed model states; the checkpoint is "
+                         "incomplete, resume from an earlier one")
+    for path in files:
+        check_pickled_file(path, allowed)
+    return files
+
+
 def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
     """Parameter shapes stored in a checkpoint, without loading any tensor."""
+    if layout(checkpoint_dir) == "DeepSpeed":
+        states = next(f for f in check_deepspeed_files(checkpoint_dir) if f.name.endswith("model_states.pt"))
+        with torch.serialization.safe_globals(list(deepspeed_pickled_classes())):
+            saved = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
+        groups = [*(saved.get("param_shapes") or []), saved.get("frozen_param_shapes") or {}]
+        return {name: tuple(shape) for group in groups for name, shape in group.items()}
     shard_dir = checkpoint_dir / MODEL_SHARDS_DIR
     if shard_dir.is_dir():
         metadata = check_dcp_dir(shard_dir)
@@ -163,9 +204,9 @@ def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
                      "resume from another checkpoint")
 
 
-def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: bool) -> None:
+def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, this_run: str) -> None:
     """The checkpoint was written for this architecture and size, and in the
-    layout this run reads (FSDP shards, or one file)."""
+    layout this run reads (FSDP shards, DeepSpeed's files, or one file)."""
     stored = saved_shapes(checkpoint_dir)
     for live_name, param in model.named_parameters():
         name = canonical_name(live_name)
@@ -174,16 +215,18 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, sharded_run: 
         if name not in stored:
             raise UsageError(f"checkpoint {checkpoint_dir} has no parameter {name}: it was written for another "
                              "architecture; resume with the run's own --model")
-        if tuple(param.shape) != stored[name]:
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 parameter's own tensor is empty
+        if shape != stored[name]:
             raise UsageError(f"checkpoint {checkpoint_dir} does not fit the model: {name} is {list(stored[name])} "
-                             f"in the checkpoint and {list(param.shape)} in the model; resume with the run's own --model")
-    if (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and not sharded_run:
-        raise UsageError(f"{checkpoint_dir} holds FSDP shards and this run is not FSDP; resume it with `finetune resume "
-                         f"{checkpoint_dir.parent.parent}` (relaunched as it was launched) or under `accelerate launch "
-                         "--config_file $(finetune configs --path fsdp)` (any --num_processes)")
-    if not (checkpoint_dir / MODEL_SHARDS_DIR).is_dir() and sharded_run:
-        raise UsageError(f"{checkpoint_dir} was written without FSDP and this run is FSDP; resume it with the "
-                         "accelerate config it was trained with, or start from its export with --model")
+                             f"in the checkpoint and {list(shape)} in the model; resume with the run's own --model")
+    written = layout(checkpoint_dir)
+    if written == this_run:
+        return
+    config = {"FSDP": "fsdp", "DeepSpeed": "zero2", "unsharded": "ddp"}[written]
+    raise UsageError(f"{checkpoint_dir} was written by a {written} run and this run is {this_run}; resume it with "
+                     f"`finetune resume {checkpoint_dir.parent.parent}` (relaunched as it was launched) or under the "
+                     f"accelerate config it was trained with (e.g. `--config_file $(finetune configs --path {config})`), "
+                     "or export it and start from the export with --model")
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -386,12 +429,18 @@ class CheckpointManager:
         else:
             say(acc, f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
                       "for damage")
-        check_compatible(checkpoint_dir, acc.unwrap_model(model), acc.distributed_type == DistributedType.FSDP)
+        check_compatible(checkpoint_dir, acc.unwrap_model(model), run_layout(acc))
+        if layout(checkpoint_dir) == "DeepSpeed" and progress.world_size != acc.num_processes:
+            raise UsageError(f"{checkpoint_dir} was written by {progress.world_size} DeepSpeed rank(s) and this run has "
+                             f"{acc.num_processes}: DeepSpeed checkpoints resume on the same number of processes; "
+                             f"relaunch with --num_processes {progress.world_size}, or export it and start from the "
+                             "export with --model")
         if self.base_record is not None:
             recorded = lora.read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / lora.BASE_RECORD)
             lora.check_same_base(recorded, self.base_record, checkpoint_dir)
         start = time.perf_counter()
-        with self.stored.applied():
+        deepspeed_safely = deepspeed_loads_weights_only() if layout(checkpoint_dir) == "DeepSpeed" else nullcontext()
+        with self.stored.applied(), deepspeed_safely:
             acc.load_state(str(checkpoint_dir))
         say(acc, f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:

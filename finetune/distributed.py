@@ -17,13 +17,15 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import (DataLoaderConfiguration, broadcast_object_list, DistributedType, InitProcessGroupKwargs, ProjectConfiguration,
+from accelerate.utils import (DataLoaderConfiguration, broadcast_object_list, DistributedType, GradientAccumulationPlugin,
+                               InitProcessGroupKwargs, ProjectConfiguration,
                                gather_object)
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,6 +37,11 @@ from finetune.memory import MMAP_THRESHOLD_BYTES
 def fsdp_requested() -> bool:
     """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def deepspeed_requested() -> bool:
+    """True when the accelerate config asks for DeepSpeed (zero1/2/3.yaml)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def launched_world_size() -> int:
@@ -73,6 +80,74 @@ def check_fsdp_options_supported_here() -> None:
     if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
         raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
                          "launch with `--config_file $(finetune configs --path fsdp)`")
+
+
+def find_deepspeed_config() -> None:
+    """The shipped zero*.yaml name their DeepSpeed JSON by file name: a path
+    from the working directory when there is one, else the shipped file of
+    that name (so the configs work from any directory)."""
+    from finetune.launch_configs import CONFIG_DIR
+
+    named = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not named or named == "none" or Path(named).is_file():
+        return
+    if (CONFIG_DIR / Path(named).name).is_file() and Path(named).name == named:
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(CONFIG_DIR / named)
+        return
+    raise UsageError(f"deepspeed_config_file {named} (from the accelerate config) does not exist; give its path from "
+                     "the working directory, or launch with `--config_file $(finetune configs --path zero2)`")
+
+
+def check_deepspeed_installed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise UsageError("the accelerate config asks for DeepSpeed, which is not installed; "
+                         "`DS_BUILD_OPS=0 pip install 'finetune[deepspeed]'`, or launch with an FSDP config") from None
+
+
+def fit_deepspeed_to_run(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
+    """The run's options where DeepSpeed would otherwise use its own: the
+    micro-batch (Accelerate reads it from a prepared loader only when the
+    model is prepared with one) and the clipping norm (DeepSpeed clips at 1.0
+    unless told otherwise; 0 turns it off). Set before `prepare`."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["train_batch_size"] = micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = float(max_grad_norm or 0.0)
+    if plugin.zero_stage == 3:  # the end-of-run model is gathered from the partitions
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+@contextmanager
+def models_built_whole(accelerator: Accelerator):
+    """While a ZeRO-3 config is active, transformers builds every model under
+    DeepSpeed's zero.Init, which partitions it over the ranks: a collective.
+    Inside this, the main process alone can build an empty model (the
+    end-of-run writing does)."""
+    if zero_stage(accelerator) != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def end_training(accelerator: Accelerator) -> None:
+    """The trackers and the process group end; models built afterwards in
+    this process (the sample from the final model) are built whole again."""
+    accelerator.end_training()
+    if zero_stage(accelerator) == 3:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
 
 
 def enable_fsdp_on_cpu(timeout: timedelta) -> None:
@@ -169,15 +244,26 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     check_processes_fit_devices()
     check_fsdp_options_supported_here()
     on_cpu = not has_accelerator_device()
+    process_group = InitProcessGroupKwargs(timeout=timeout)
+    if deepspeed_requested():
+        check_deepspeed_installed()
+        find_deepspeed_config()
     if on_cpu:
         keep_freed_memory_in_process()
     if on_cpu and fsdp_requested():
         enable_fsdp_on_cpu(timeout)
+    elif on_cpu and deepspeed_requested() and launched_world_size() > 1:
+        # DeepSpeed's own process group: without a backend named, Accelerate
+        # finds no device and leaves every CPU rank alone.
+        process_group = InitProcessGroupKwargs(backend="gloo", timeout=timeout)
     elif on_cpu and launched_world_size() > 1:
         # Without cpu=True, Accelerate leaves every CPU rank alone (NO).
         PartialState(cpu=True, timeout=timeout)
     accelerator = Accelerator(
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        # The loop tells Accelerate where each step ends (train.train_step):
+        # not from the data loader, which the loop reads a whole step ahead.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
         # We step the LR schedule once per optimizer step ourselves, so the
         # schedule does not depend on the number of processes.
         step_scheduler_with_optimizer=False,
@@ -185,7 +271,7 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
         # after a resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         log_with=log_with or None,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
+        kwargs_handlers=[process_group],
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)) if run_dir else None,
     )
     restore_cpu_state()
@@ -197,6 +283,9 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     if fsdp_requested() and accelerator.distributed_type != DistributedType.FSDP:
         raise RuntimeError(f"the accelerate config asks for FSDP but Accelerate chose {accelerator.distributed_type.value}; "
                            "refusing to train unsharded")
+    if deepspeed_requested() and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        raise RuntimeError(f"the accelerate config asks for DeepSpeed but Accelerate chose "
+                           f"{accelerator.distributed_type.value}; refusing to train without it")
     return accelerator
 
 
@@ -222,7 +311,15 @@ class ShardReport:
 
 
 def _local_numel(param: torch.Tensor) -> int:
+    """Elements of the parameter this rank holds: its FSDP shard, its ZeRO-3 partition, or all."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor.numel()
     return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter (a ZeRO-3 parameter's own tensor is empty outside forward and backward)."""
+    return getattr(param, "ds_numel", param.numel())
 
 
 def gather_ints(accelerator: Accelerator, value: int) -> list[int]:
@@ -233,23 +330,29 @@ def gather_ints(accelerator: Accelerator, value: int) -> list[int]:
 def shard_report(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
     """Count this rank's share of the parameters and gather everyone's."""
     params = list(model.parameters())
-    total = sum(p.numel() for p in params)
+    total = sum(full_numel(p) for p in params)
     return ShardReport(total_params=total, local_params_per_rank=gather_ints(accelerator, sum(_local_numel(p) for p in params)))
 
 
 def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
-    """Fail loudly when FSDP was asked for and the parameters are not sharded."""
+    """Fail loudly when FSDP (or ZeRO-3) was asked for and the parameters are not sharded."""
     report = shard_report(model, accelerator)
+    if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+        check_partition(report, "ZeRO-3 partitions")
     if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
         return report
     unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
     if unsharded:
         raise RuntimeError(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
                            f"(first: {unsharded[0]}); refusing to train unsharded")
-    if sum(report.local_params_per_rank) != report.total_params or max(report.local_params_per_rank) >= report.total_params:
-        raise RuntimeError(f"FSDP shards do not partition the model: per-rank {report.local_params_per_rank}, "
-                           f"total {report.total_params}")
+    check_partition(report, "FSDP shards")
     return report
+
+
+def check_partition(report: ShardReport, what: str) -> None:
+    if sum(report.local_params_per_rank) < report.total_params or max(report.local_params_per_rank) >= report.total_params:
+        raise RuntimeError(f"{what} do not partition the model: per-rank {report.local_params_per_rank}, "
+                           f"total {report.total_params}; refusing to train unsharded")
 
 
 def count_fsdp_units(model: torch.nn.Module) -> int:
@@ -260,21 +363,47 @@ def count_fsdp_units(model: torch.nn.Module) -> int:
     return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
-def _local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
+def zero_stage(accelerator: Accelerator) -> int | None:
+    """DeepSpeed's ZeRO stage (1, 2 or 3), None when not DeepSpeed."""
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    return int(plugin.zero_stage) if plugin is not None else None
 
 
-def persistent_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer state
-    (measure after optimizer.step, before the gradients are freed)."""
-    params = list(model.parameters())
-    optimizer_bytes = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"params": sum(_local_bytes(p) for p in params), "grads": sum(_local_bytes(p.grad) for p in params),
-            "optimizer": optimizer_bytes}
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tally(tensors) -> dict[str, int]:
+    local = [_local(t) for t in tensors]
+    return {"elements": sum(t.numel() for t in local), "bytes": sum(t.numel() * t.element_size() for t in local)}
+
+
+def persistent_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """Elements and bytes this rank holds in parameters, gradients and
+    optimizer state. `optimizer` is the torch optimizer that steps; without
+    DeepSpeed, measure right after its step, before the gradients are freed.
+
+    Under DeepSpeed it is the one inside the ZeRO optimizer, which steps one
+    group of this rank's fp32 master partitions at a time and frees each
+    group's gradient right after: measure any time after the first step. The
+    masters count as optimizer state (as the ZeRO paper counts them). The
+    gradients are what the stage keeps between backward and step: ZeRO-1
+    accumulates them whole in the model's parameters, ZeRO-2/3 only this
+    rank's partition (the masters' size, in the model's dtype). A ZeRO-3
+    parameter holds only its partition (`ds_tensor`)."""
+    params = [getattr(p, "ds_tensor", p) for p in model.parameters()]
+    moments = [v for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    stage = getattr(model, "zero_optimization_stage", lambda: None)()
+    if stage is None:
+        grads = _tally(p.grad for p in params if p.grad is not None)
+        return {"params": _tally(params), "grads": grads, "optimizer": _tally(moments)}
+    masters = list(optimizer.state)  # the partitions the inner optimizer stepped, keyed as its state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_elements = sum(full_numel(p) for p in trainable) if stage == 1 else sum(m.numel() for m in masters)
+    element_size = trainable[0].element_size() if trainable else 0
+    grads = {"elements": grad_elements, "bytes": grad_elements * element_size}
+    return {"params": _tally(params), "grads": grads, "optimizer": _tally([*moments, *masters])}
 
 
 def peak_memory_bytes(accelerator: Accelerator, host: "HostMemory") -> int:

@@ -15,6 +15,7 @@ file never branches on them.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import shutil
 import sys
@@ -36,9 +37,10 @@ from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_
 from finetune.config import TrainConfig, byte_count, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, HostMemory, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  check_wrap_policy, count_fsdp_units, gather_ints, is_collective_timeout,
-                                  on_every_rank, peak_memory_bytes, persistent_state_bytes, resident_bytes,
-                                  serve_full_tensors, slow_bf16_warning, verify_sharded)
+                                  check_wrap_policy, count_fsdp_units, fit_deepspeed_to_run, full_numel, gather_ints,
+                                  end_training, is_collective_timeout, models_built_whole,
+                                  on_every_rank, peak_memory_bytes, persistent_state, resident_bytes,
+                                  serve_full_tensors, slow_bf16_warning, verify_sharded, zero_stage)
 from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
 from finetune.lock import RunLock
@@ -76,7 +78,7 @@ class Run:
     host: HostMemory = field(default_factory=HostMemory)          # this rank's resident set, phase by phase
     load_peak_rss: int = 0                                        # the highest resident set until `prepare` returned
     last_loss: float | None = None                                # stays None when a resume has no step left
-    state_bytes: dict[str, int] = field(default_factory=dict)     # measured right after the first optimizer step
+    state: dict[str, dict[str, int]] = field(default_factory=dict)  # measured right after the first optimizer step
     train_seconds: float = 0.0
     plain_logs: bool = False                                      # a line per logged step instead of a bar
     cpu_threads: int = 1                                          # torch's threads in each process
@@ -111,7 +113,7 @@ class StepResult:
     lr: float           # the learning rate the step used
     seconds: float      # the step's data loading and compute
     epoch_end: bool     # the step used the epoch's last micro-batch
-    resident_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's RSS after its backward
+    resident_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's RSS after the step
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -148,7 +150,7 @@ def train(cfg: TrainConfig) -> dict:
             traceback.clear_frames(in_flight)
         accelerator.free_memory()
         gc.collect()
-        accelerator.end_training()
+        end_training(accelerator)
 
 
 def run_to_the_end(run: Run) -> dict:
@@ -185,6 +187,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
     check_wrap_policy(accelerator, model)
     optimizer = build_optimizer(model, cfg)
+    fit_deepspeed_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     if task.own_shards is not None:
         task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
@@ -234,13 +237,24 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
 def measure_state_after_first_step(run: Run) -> None:
     """Parameters, gradients and optimizer state are all alive right after the
     first optimizer step (before the gradients are freed): measure them then,
-    once, from a hook instead of from the loop."""
+    once, from a hook instead of from the loop. DeepSpeed frees each group's
+    gradient as it steps the next: `run_summary` measures its engine instead."""
+    if zero_stage(run.accelerator) is not None:
+        return
+
     def measure(*_):
-        run.state_bytes = persistent_state_bytes(run.model, run.optimizer)
+        run.state = persistent_state(run.model, stepping_optimizer(run))
         handle.remove()
 
-    torch_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # unwrap Accelerate's
-    handle = torch_optimizer.register_step_post_hook(measure)
+    handle = stepping_optimizer(run).register_step_post_hook(measure)
+
+
+def stepping_optimizer(run: Run) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's wrapper (and DeepSpeed's ZeRO optimizer)."""
+    optimizer = run.optimizer
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def resume(run: Run, checkpoint: Path, new_length: bool) -> None:
@@ -283,7 +297,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
 
 
 def trainable_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)  # a DTensor's numel is the whole tensor's
+    return sum(full_numel(p) for p in model.parameters() if p.requires_grad)  # a DTensor's numel is the whole tensor's
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -314,54 +328,49 @@ def epoch_batches(run: Run) -> Iterator[dict]:
 
 
 def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
-    """Forward and backward over micro-batches until Accelerate syncs the
-    gradients (gradient_accumulation_steps of them, or the epoch's last), then
+    """Forward and backward over the step's micro-batches
+    (gradient_accumulation_steps of them, or what is left of the epoch), then
     one optimizer step. None when the epoch has no micro-batch left.
 
     The loss of the step is the sum of the per-target losses over the global
     batch divided by the number of targets in it, not a mean of per-micro-batch
-    means (those weigh the targets of short micro-batches more). That count is
-    only known after the last micro-batch, so each backward uses a fixed
-    nominal count, and the gradients are rescaled once the true one is summed
-    over the ranks."""
+    means (those weigh the targets of short micro-batches more). The targets
+    are known from the labels, so their count over all ranks is summed before
+    the first forward and every backward carries its exact weight: nothing is
+    rescaled afterwards (DeepSpeed steps inside the last backward)."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
     start = time.perf_counter()
-    totals = torch.zeros(3, device=acc.device)  # loss sum, targets, units on this rank
-    nominal = cfg.per_device_batch_size * run.task.loss_terms_per_sample()
-    for batch in batches:
+    micro_batches = list(itertools.islice(batches, cfg.gradient_accumulation_steps))
+    if not micro_batches:
+        return None
+    epoch_end = acc.gradient_state.end_of_dataloader
+    count, stop_votes = acc.reduce(torch.tensor(
+        [sum(run.task.targets(batch) for batch in micro_batches), run.stop.flag], dtype=torch.float64,
+        device=acc.device), reduction="sum").tolist()
+    # Accelerate (or DeepSpeed) divides every micro-batch by the accumulation
+    # steps and the gradient reduction averages over the ranks: undo both.
+    weight = cfg.gradient_accumulation_steps * acc.num_processes / max(count, 1)
+    # Accelerate syncs the gradients (and DeepSpeed steps) when its counter
+    # reaches gradient_accumulation_steps: start it so the step's last micro-batch does.
+    acc.step = cfg.gradient_accumulation_steps - len(micro_batches)
+    totals = torch.zeros(2, device=acc.device)  # loss sum, units on this rank
+    for batch in micro_batches:
         with acc.accumulate(model):
             terms = run.task.loss(model, batch)
-            acc.backward(terms.total / nominal)
-            totals += torch.stack([terms.total.detach(), terms.count, terms.units]).to(totals)
-            if acc.sync_gradients:
-                # One collective per step: the sums, the stop vote, and each rank's resident memory in its own slot.
-                resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
-                resident[acc.process_index] = resident_bytes()
-                loss_sum, count, units, stop_votes, *resident = acc.reduce(torch.cat(
-                    [totals.double(), torch.tensor([run.stop.flag], dtype=torch.float64, device=acc.device),
-                     resident]), reduction="sum").tolist()
-                # Accelerate divided every micro-batch by the accumulation steps and
-                # the gradient reduction averaged over the ranks: undo both, and divide
-                # by the true count instead of the nominal one.
-                scale_gradients(model, nominal * cfg.gradient_accumulation_steps * acc.num_processes / max(count, 1))
-                grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
-                lr = run.schedule.lr
-                run.optimizer.step()
-                run.schedule.step_done()
-                run.optimizer.zero_grad(set_to_none=True)
-        run.progress.samples_in_epoch += run.global_batch
-        if acc.sync_gradients:
-            return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
-                              epoch_end=acc.gradient_state.end_of_dataloader,
-                              resident_bytes_per_rank=[int(b) for b in resident])
-    return None
-
-
-@torch.no_grad()
-def scale_gradients(model: torch.nn.Module, factor: float) -> None:
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(factor)
+            acc.backward(terms.total * weight)
+        totals += torch.stack([terms.total.detach(), terms.units]).to(totals)
+    grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
+    lr = run.schedule.lr
+    run.optimizer.step()
+    run.schedule.step_done()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.progress.samples_in_epoch += run.global_batch * len(micro_batches)
+    # One collective: the sums, and each rank's resident memory in its own slot.
+    resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
+    resident[acc.process_index] = resident_bytes()
+    loss_sum, units, *resident = acc.reduce(torch.cat([totals.double(), resident]), reduction="sum").tolist()
+    return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
+                      epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident])
 
 
 def after_step(run: Run, result: StepResult) -> None:
@@ -451,25 +460,26 @@ def write_final_model(run: Run) -> Path:
     output file at a time (`--max_shard_size`): the ranks gather the tensors
     of each file as it is written, so no rank ever holds the whole state. A
     LoRA run's is the base with the adapters merged in, tensor by tensor, as
-    `merge_and_unload` adds them (FSDP1 gathers the whole state first)."""
+    `merge_and_unload` adds them. Under FSDP1 and ZeRO-3, Accelerate gathers
+    the whole state on the main process first."""
     acc = run.accelerator
     final_dir = run.run_dir / "final"
     live_model = acc.unwrap_model(run.model)
     hf_config = live_model.config
     write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
                          max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
-    if not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP:  # FSDP1: Accelerate gathers the state
+    if (not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP) or zero_stage(acc) == 3:
         # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
-        state_dict = {canonical_name(name): tensor for name, tensor in acc.get_state_dict(run.model).items()}
+        state_dict = {canonical_name(name): tensor for name, tensor in (acc.get_state_dict(run.model) or {}).items()}
         if acc.is_main_process and run.checkpoints.adapter_config is not None:
-            with torch.device("meta"):
+            with torch.device("meta"), models_built_whole(acc):
                 base = run.task.entry.auto().from_config(hf_config)
             state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
 
         def write() -> None:
             if acc.is_main_process:
                 write_model_dir(state_dict, hf_config, final_dir, **write_options)
-    else:  # FSDP2 (DTensor shards), DDP or one process
+    else:  # FSDP2 (DTensor shards), whole parameters on every rank (DDP, ZeRO-1/2) or one process
         tensors = {canonical_name(name): t for name, t in live_model.state_dict().items()}
         specs = {name: (t.shape, t.dtype) for name, t in tensors.items()}
 
@@ -483,7 +493,8 @@ def write_final_model(run: Run) -> Path:
             serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(weights(fetch), hf_config, final_dir,
                                                                             **write_options))
     try:
-        on_every_rank(acc, write)
+        with models_built_whole(acc):
+            on_every_rank(acc, write)
     except WriteFailed as e:
         raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: free space, "
                          f"then `finetune export {run.run_dir} --output DIR`") from None
@@ -492,6 +503,7 @@ def write_final_model(run: Run) -> Path:
 
 def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
     acc = run.accelerator
+    state = run.state or persistent_state(run.model, stepping_optimizer(run))
     is_fsdp = acc.distributed_type == DistributedType.FSDP
     return {
         "task": run.cfg.task,
@@ -500,6 +512,7 @@ def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
         "fsdp_version": acc.state.fsdp_plugin.fsdp_version if is_fsdp else None,
+        "zero_stage": zero_stage(acc),
         "mixed_precision": acc.mixed_precision,
         "total_params": run.shards.total_params,
         "trainable_params": trainable_params(run.model),
@@ -512,7 +525,10 @@ def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
         "rss_after_imports_bytes_per_rank": gather_ints(acc, run.host.at_start),
         "load_peak_rss_bytes_per_rank": gather_ints(acc, run.load_peak_rss),
         "final_save_rss_rise_bytes_per_rank": gather_ints(acc, final_save_rss_rise),
-        "state_bytes_per_rank": gather_ints(acc, sum(run.state_bytes.values())),
+        "state_bytes_per_rank": gather_ints(acc, sum(kind["bytes"] for kind in state.values())),
+        # Parameters, gradients and optimizer state (DeepSpeed's fp32 master copies included) per rank.
+        "state_elements_per_rank": {name: gather_ints(acc, state[name]["elements"])
+                                    for name in ("params", "grads", "optimizer")},
         "train_time_s": run.train_seconds,
         "steps": run.progress.step,
         "final_loss": run.last_loss,

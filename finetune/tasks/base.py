@@ -49,10 +49,9 @@ class Scored:
 @dataclass
 class LossSum:
     """A micro-batch's loss before normalisation. The loop divides the sum over
-    the whole global batch (every micro-batch, every rank) by the count over
-    it, so ragged batches weigh every target the same."""
+    the whole global batch (every micro-batch, every rank) by the number of
+    targets in it (`Task.targets`), so ragged batches weigh every target the same."""
     total: torch.Tensor   # sum of the per-target losses
-    count: torch.Tensor   # number of targets (tokens with a label, or samples)
     units: torch.Tensor   # what throughput counts: real tokens, or samples
 
 
@@ -73,11 +72,10 @@ class Task:
     def entry(self) -> TaskEntry:
         return REGISTRY[self.name]
 
-    def loss_terms_per_sample(self) -> int:
-        """The most loss terms one sample can have (tokens of a block for text):
-        the fixed count each micro-batch's backward divides by before the loop
-        rescales the gradients by the true count."""
-        return 1
+    def targets(self, batch: dict) -> int:
+        """The loss terms of a micro-batch (tokens with a label, or samples),
+        known before its forward."""
+        raise NotImplementedError
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         """The model and the data, checked before the run writes anything."""

@@ -26,7 +26,7 @@ from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
-from finetune.tasks.lm_loss import can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
+from finetune.tasks.lm_loss import IGNORE, can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
 
 
 def attention_inputs(batch: dict, attn_implementation: str) -> dict:
@@ -74,8 +74,8 @@ class CausalLM(Task):
     throughput_key = "tokens_per_sec"
     batch_size_options = "--per_device_batch_size/--block_size"
 
-    def loss_terms_per_sample(self) -> int:
-        return self.cfg.block_size
+    def targets(self, batch: dict) -> int:
+        return int((next_token_targets(batch.get("labels", batch["input_ids"])) != IGNORE).sum())
 
     def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         """The main process goes first and fills the caches (datasets, a GGUF
@@ -198,7 +198,7 @@ class CausalLM(Task):
     def loss(self, model, batch: dict) -> LossSum:
         # No KV cache: a training forward never reuses it.
         scores = self._forward(model, batch)
-        return LossSum(total=scores.total, count=scores.has_target.sum(), units=scores.tokens)
+        return LossSum(total=scores.total, units=scores.tokens)
 
     def _forward(self, model, batch: dict) -> Scores:
         """The NLL comes from the output layer's input a chunk at a time

@@ -62,8 +62,10 @@ class ImageClassification(Task):
     def loss(self, model, batch: dict) -> LossSum:
         # Cross-entropy on logits, in fp32 whatever the compute dtype.
         total = F.cross_entropy(model(pixel_values(batch)).logits.float(), batch["label"], reduction="sum")
-        count = torch.tensor(batch["label"].numel(), device=total.device)
-        return LossSum(total=total, count=count, units=count)
+        return LossSum(total=total, units=torch.tensor(batch["label"].numel(), device=total.device))
+
+    def targets(self, batch: dict) -> int:
+        return batch["label"].numel()
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:
