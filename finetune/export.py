@@ -1,6 +1,7 @@
 """`finetune export`: merge the DCP shards of a checkpoint (any number of
-ranks) in one process on CPU, with no process group, long after training,
-and write them as a Hugging Face model dir (model_dir.py).
+ranks), or DeepSpeed's partitions, in one process on CPU, with no process
+group, long after training, and write them as a Hugging Face model dir
+(model_dir.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
-from finetune.checkpoint import (MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, complete_checkpoints, read_progress,
-                                 saved_config)
+from finetune.checkpoint import (DEEPSPEED_DIR, MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, check_deepspeed_files,
+                                 complete_checkpoints, read_progress, saved_config)
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError
 from finetune.model_dir import Weights, atomic_dir, check_output_dir, write_model_dir
@@ -26,12 +27,13 @@ from finetune.models.gguf import converted_dir, is_gguf
 from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
 from finetune.shard_loading import SAFETENSORS_DTYPES
 from finetune.tasks import task_for_config
-from finetune.verify import check_dcp_dir, verify_manifest
+from finetune.verify import check_dcp_dir, deepspeed_loads_weights_only, verify_manifest
 
 
 def find_model_weights(path: str | Path) -> Path:
     """A run dir means its newest complete checkpoint; a checkpoint dir its
-    `pytorch_model_fsdp_0` (or `model.safetensors` for unsharded runs)."""
+    `pytorch_model_fsdp_0` (DeepSpeed's `pytorch_model`, or `model.safetensors`
+    for unsharded runs)."""
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"{path} does not exist; pass a run dir or a checkpoints/step_NNNNNN dir")
@@ -40,19 +42,25 @@ def find_model_weights(path: str | Path) -> Path:
         if not found:
             raise UsageError(f"run dir {path} holds no complete checkpoint; pass a run that saved one")
         path = found[-1]
+    if (path / DEEPSPEED_DIR).is_dir():
+        return path / DEEPSPEED_DIR
     for candidate in (path / MODEL_SHARDS_DIR, path / "model.safetensors", path):
         if candidate.name == "model.safetensors" and candidate.is_file():
             return candidate
         if candidate.is_dir() and (candidate / ".metadata").is_file():
             return candidate
-    raise UsageError(f"{path} holds no checkpoint ({MODEL_SHARDS_DIR}/ with DCP shards, or model.safetensors); "
+    raise UsageError(f"{path} holds no checkpoint ({MODEL_SHARDS_DIR}/ with DCP shards, {DEEPSPEED_DIR}/ from "
+                     "DeepSpeed, or model.safetensors); "
                      "pass a run dir or a checkpoints/step_NNNNNN dir")
 
 
 def checkpoint_weights(weights: Path) -> Weights:
     """The tensors of a checkpoint's model, read a few at a time: from DCP
     shards (any number of ranks), only the byte ranges of the tensors asked
-    for, or from a single safetensors file."""
+    for, or from a single safetensors file. DeepSpeed's partitions are
+    consolidated whole in memory, in fp32, by DeepSpeed's own zero_to_fp32."""
+    if weights.name == DEEPSPEED_DIR and weights.is_dir():
+        return deepspeed_weights(weights.parent)
     if weights.is_file():
         with safe_open(str(weights), "pt") as f:
             specs = {name: (torch.Size(f.get_slice(name).get_shape()), SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()])
@@ -80,6 +88,15 @@ def checkpoint_weights(weights: Path) -> Weights:
         return {name: part[fqn_of[name]] for name in names}
     return Weights({name: (tensors[fqn].size, tensors[fqn].properties.dtype) for name, fqn in fqn_of.items()},
                    read_shards)
+
+
+def deepspeed_weights(checkpoint_dir: Path) -> Weights:
+    check_deepspeed_files(checkpoint_dir)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with deepspeed_loads_weights_only():
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=DEEPSPEED_DIR)
+    return Weights.in_memory(state_dict)
 
 
 def check_not_inside(output: Path, source: Path) -> None:

@@ -9,6 +9,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FINETUNE_VENV:-$REPO/.venv}"
 TORCH_VERSION="${FINETUNE_TORCH_VERSION:-2.13.0}"
+# DeepSpeed (an extra) compiles its kernels when first used, not at install:
+# installing it needs no CUDA toolkit.
+export DS_BUILD_OPS="${DS_BUILD_OPS:-0}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating virtual environment $VENV"
