@@ -223,7 +223,9 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, this_run: str
     if written == this_run:
         return
     config = {"FSDP": "fsdp", "DeepSpeed": "zero2", "unsharded": "ddp"}[written]
-    raise UsageError(f"{checkpoint_dir} was written by a {written} run and this run is {this_run}; resume it with "
+    written_as = {"FSDP": "under FSDP", "DeepSpeed": "under DeepSpeed", "unsharded": "without sharding"}[written]
+    run_is = {"FSDP": "an FSDP run", "DeepSpeed": "a DeepSpeed run", "unsharded": "not sharded"}[this_run]
+    raise UsageError(f"{checkpoint_dir} was written {written_as} and this run is {run_is}; resume it with "
                      f"`finetune resume {checkpoint_dir.parent.parent}` (relaunched as it was launched) or under the "
                      f"accelerate config it was trained with (e.g. `--config_file $(finetune configs --path {config})`), "
                      "or export it and start from the export with --model")

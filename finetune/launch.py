@@ -10,6 +10,7 @@ need not depend on that file still being where it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -84,7 +85,12 @@ def record(distributed_type: str, num_processes: int) -> dict:
     options, cwd = found
     config_file = _option(options, "--config_file")
     config = yaml.safe_load((cwd / config_file).read_text()) if config_file else None
-    return {**facts, "launcher_options": without_options(options, NOT_REPLAYED), "accelerate_config": config}
+    recorded = {**facts, "launcher_options": without_options(options, NOT_REPLAYED), "accelerate_config": config}
+    # The DeepSpeed JSON the config names, as this process found it (finetune.distributed.find_deepspeed_config).
+    deepspeed_json = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if deepspeed_json != "none" and Path(deepspeed_json).is_file():
+        recorded["deepspeed_config"] = json.loads(Path(deepspeed_json).read_text())
+    return recorded
 
 
 def under_a_launcher() -> bool:
@@ -110,6 +116,23 @@ def relaunch_command(run_dir: Path, launch: dict, argv: list[str], num_processes
     return [*command, *options, "--main_process_port", str(free_port()), "-m", "finetune", *argv]
 
 
+def write_recorded_configs(launch: dict, scratch: Path) -> Path:
+    """The recorded accelerate config (and the DeepSpeed JSON it named) as
+    files in `scratch`, not the (maybe moved or edited) originals; returns the
+    accelerate config's path."""
+    config_file = scratch / "accelerate_config.yaml"
+    config = launch.get("accelerate_config")
+    if config is None:
+        return config_file
+    if launch.get("deepspeed_config") is not None:
+        deepspeed_file = scratch / "deepspeed_config.json"
+        deepspeed_file.write_text(json.dumps(launch["deepspeed_config"], indent=2))
+        config = {**config, "deepspeed_config": {**config.get("deepspeed_config", {}),
+                                                 "deepspeed_config_file": str(deepspeed_file)}}
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    return config_file
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,12 +143,10 @@ def relaunch(run_dir: Path, launch: dict, argv: list[str], num_processes: int | 
     """Run `finetune ARGV` under `accelerate launch` as the run was launched and
     return the workers' exit code; None when there is nothing to relaunch."""
     with tempfile.TemporaryDirectory(prefix="finetune-relaunch-") as scratch:
-        config_file = Path(scratch) / "accelerate_config.yaml"  # the recorded content, not the (maybe moved) file
+        config_file = write_recorded_configs(launch, Path(scratch))
         command = relaunch_command(run_dir, launch, argv, num_processes, config_file)
         if command is None:
             return None
-        if launch.get("accelerate_config") is not None:
-            config_file.write_text(yaml.safe_dump(launch["accelerate_config"], sort_keys=False))
         shown = shlex.join(["accelerate", "launch", *command[3:]]).replace(str(config_file), "RECORDED_CONFIG")
         print(f"relaunching as the run was launched: {shown}", flush=True)
         launcher = subprocess.Popen(command, env={**os.environ, EXIT_STATUS_DIR: scratch})

@@ -13,7 +13,8 @@ markdown table and JSON.
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
 4`, about 10 minutes for both suites on 2 CPU cores); `--quick` uses `tiny-gpt2`.
 
-Suite `configs`: each CPU-capable accelerate config trains the same model on the
+Suite `configs`: each CPU-capable accelerate config (zero1/2/3.yaml too when
+the deepspeed extra is installed) trains the same model on the
 same blocks; reported per config: median step time (after 2 warm-up steps), its
 ratio to DDP, per-rank peak memory (resident set on CPU, max_memory_allocated on
 GPU) and per-rank persistent state (parameters + gradients + optimizer state,
@@ -80,6 +81,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -97,6 +99,8 @@ CPU_CONFIGS = {  # config -> processes
     "fsdp_shard_grad_op.yaml": 2,
     "fsdp_activation_checkpointing.yaml": 2,
 }
+if importlib.util.find_spec("deepspeed") is not None:  # the deepspeed extra: ZeRO next to FSDP, as the seed compares them
+    CPU_CONFIGS.update({"zero1.yaml": 2, "zero2.yaml": 2, "zero3.yaml": 2})
 
 
 def checkout_env(checkout: Path) -> dict:
@@ -204,6 +208,7 @@ def measure(run_dir: Path) -> dict:
         "tokens_per_sec": tokens_per_step / step_time,
         "peak_memory_bytes_per_rank": summary["peak_memory_bytes_per_rank"],
         "state_bytes_per_rank": summary["state_bytes_per_rank"],
+        "state_elements_per_rank": summary["state_elements_per_rank"],
         "local_params_per_rank": summary["local_params_per_rank"],
         "total_params": summary["total_params"],
     }
@@ -292,15 +297,16 @@ def suite_configs(args) -> tuple[list[dict], str]:
              f"ratios against {ddp['config']}; MFU against the measured matmul peak of the cores each case uses; "
              "state vs ideal = largest per-rank state over 16P/N", "",
              "| config | type | ranks | step time (s) | vs DDP | tokens/s | MFU | peak memory per rank (bytes) | "
-             "state per rank (bytes) | state vs DDP | state vs ideal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "state per rank (bytes) | state vs DDP | state vs ideal | rank 0 params / grads / optimizer (elements) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r['config']} | {r['distributed_type']} | {r['world_size']} | {r['step_time_s']:.3f} | "
                      f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {r['tokens_per_sec']:,.0f} | {r['mfu']:.1%} | "
                      f"{', '.join(map(str, r['peak_memory_bytes_per_rank']))} | "
                      f"{', '.join(map(str, r['state_bytes_per_rank']))} | "
                      f"{max(r['state_bytes_per_rank']) / max(ddp['state_bytes_per_rank']):.2f} | "
-                     f"{max(r['state_bytes_per_rank']) / (ideal_state / r['world_size']):.2f} |")
+                     f"{max(r['state_bytes_per_rank']) / (ideal_state / r['world_size']):.2f} | "
+                     f"{' / '.join(f'{v[0]:,}' for v in r['state_elements_per_rank'].values())} |")
     lines += ["", peaks_line(peaks)]
     lines += profile_table(results, "config")
     by_config = {r["config"]: r for r in results}

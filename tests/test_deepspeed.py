@@ -130,7 +130,7 @@ def test_deepspeed_checkpoint_without_deepspeed(zero_runs, tmp_path):
     proc = run_in_process("resume", run_dir, "--max_steps", "7", "--no_relaunch")  # one process, no DeepSpeed
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
-    assert "was written by a DeepSpeed run and this run is unsharded" in line and "zero2" in line, line
+    assert "was written under DeepSpeed and this run is not sharded" in line and "zero2" in line, line
     assert snapshot(run_dir) == before
 
 

@@ -247,7 +247,7 @@ def test_fsdp_checkpoint_without_fsdp(checkpointed_run, tmp_path):
     proc = run_in_process("resume", run_dir, "--max_steps", "14", "--no_relaunch")  # one process, no FSDP
     assert proc.returncode == 2
     line = one_error_line(proc.stderr)
-    assert f"holds FSDP shards and this run is not FSDP; resume it with `finetune resume {run_dir}`" in line
+    assert f"was written under FSDP and this run is not sharded; resume it with `finetune resume {run_dir}`" in line
     assert snapshot(run_dir) == before
     remember("an FSDP checkpoint resumed without FSDP", line, tmp_path)
 

@@ -362,6 +362,25 @@ def test_relaunch_replays_the_recorded_launch_with_a_new_process_count(tmp_path)
         relaunch_command(tmp_path, {**RECORDED, "num_machines": 2}, [], None, config)
 
 
+def test_a_relaunch_uses_the_recorded_deepspeed_json_not_the_file(tmp_path):
+    """A DeepSpeed run records the JSON its accelerate config named; the
+    relaunch points the recorded config at a copy of that content."""
+    from pathlib import Path
+
+    import yaml
+
+    from finetune.launch import write_recorded_configs
+
+    settings = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    launch = {**RECORDED, "accelerate_config": {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_config_file": "gone/zero3.json", "zero3_init_flag": False}}, "deepspeed_config": settings}
+    config = yaml.safe_load(write_recorded_configs(launch, tmp_path).read_text())
+    named = Path(config["deepspeed_config"]["deepspeed_config_file"])
+    assert named.parent == tmp_path and json.loads(named.read_text()) == settings
+    assert config["deepspeed_config"]["zero3_init_flag"] is False and config["distributed_type"] == "DEEPSPEED"
+    assert yaml.safe_load(write_recorded_configs(RECORDED, tmp_path).read_text()) == RECORDED["accelerate_config"]
+
+
 @pytest.mark.parametrize("left, launcher_code, expected", [
     ({}, 0, 0),                              # nothing failed
     ({0: 2, 1: 2}, 1, 2),                    # bad input every rank found: the workers' code, not the launcher's 1
