@@ -22,7 +22,7 @@ from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
-from finetune.errors import RankLost, Stopped, UsageError
+from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
 
@@ -407,7 +407,9 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size, weight_bytes, launch.ram_efficient_loading)
-    host = host_ram(shape, num_processes, num_processes > 1 and launch.strategy != "DDP",
+    # DeepSpeed: every rank loads the whole model (ZeRO-3's final save, which
+    # gathers it on the main process, is not modelled).
+    host = host_ram(shape, num_processes, num_processes > 1 and launch.strategy.startswith("FSDP"),
                     launch.ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     if args.accelerate_config:
@@ -427,7 +429,7 @@ def run_command(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
         return args.func(args)
-    except UsageError as e:
+    except (UsageError, NotDistributed) as e:
         if is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
         else:

@@ -30,7 +30,7 @@ from accelerate.utils import (DataLoaderConfiguration, broadcast_object_list, Di
 from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from finetune.errors import RankLost, UsageError
+from finetune.errors import NotDistributed, RankLost, UsageError
 from finetune.memory import MMAP_THRESHOLD_BYTES
 
 
@@ -278,13 +278,13 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     quiet_other_ranks(accelerator)
 
     if accelerator.num_processes != launched_world_size():
-        raise RuntimeError(f"launched {launched_world_size()} processes but Accelerate sees {accelerator.num_processes}: "
+        raise NotDistributed(f"launched {launched_world_size()} processes but Accelerate sees {accelerator.num_processes}: "
                            "the ranks are not training together; refusing to train")
     if fsdp_requested() and accelerator.distributed_type != DistributedType.FSDP:
-        raise RuntimeError(f"the accelerate config asks for FSDP but Accelerate chose {accelerator.distributed_type.value}; "
+        raise NotDistributed(f"the accelerate config asks for FSDP but Accelerate chose {accelerator.distributed_type.value}; "
                            "refusing to train unsharded")
     if deepspeed_requested() and accelerator.distributed_type != DistributedType.DEEPSPEED:
-        raise RuntimeError(f"the accelerate config asks for DeepSpeed but Accelerate chose "
+        raise NotDistributed(f"the accelerate config asks for DeepSpeed but Accelerate chose "
                            f"{accelerator.distributed_type.value}; refusing to train without it")
     return accelerator
 
@@ -343,7 +343,7 @@ def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardRep
         return report
     unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
     if unsharded:
-        raise RuntimeError(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
+        raise NotDistributed(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
                            f"(first: {unsharded[0]}); refusing to train unsharded")
     check_partition(report, "FSDP shards")
     return report
@@ -351,7 +351,7 @@ def verify_sharded(model: torch.nn.Module, accelerator: Accelerator) -> ShardRep
 
 def check_partition(report: ShardReport, what: str) -> None:
     if sum(report.local_params_per_rank) < report.total_params or max(report.local_params_per_rank) >= report.total_params:
-        raise RuntimeError(f"{what} do not partition the model: per-rank {report.local_params_per_rank}, "
+        raise NotDistributed(f"{what} do not partition the model: per-rank {report.local_params_per_rank}, "
                            f"total {report.total_params}; refusing to train unsharded")
 
 

@@ -144,7 +144,9 @@ def read_launch_config(path: str | None) -> LaunchConfig:
     except (OSError, yaml.YAMLError) as e:
         raise UsageError(f"cannot read --accelerate_config {path} ({e}); pass a YAML file") from None
     fsdp = launch.get("fsdp_config", {}) or {}
-    if launch.get("distributed_type") != "FSDP":
+    if launch.get("distributed_type") == "DEEPSPEED":
+        strategy = f"DeepSpeed ZeRO-{deepspeed_stage(Path(path), launch.get('deepspeed_config') or {})}"
+    elif launch.get("distributed_type") != "FSDP":
         strategy = "DDP"
     elif fsdp.get("fsdp_offload_params"):
         strategy = "FSDP + CPU offload (state in CPU RAM)"
@@ -159,6 +161,26 @@ def read_launch_config(path: str | None) -> LaunchConfig:
                         ram_efficient_loading=strategy != "DDP" and bool(fsdp.get("fsdp_cpu_ram_efficient_loading")))
 
 
+def deepspeed_stage(config_path: Path, deepspeed: dict) -> int:
+    """The ZeRO stage of an accelerate config: from the DeepSpeed JSON it names
+    (next to it, from the working directory, or shipped), else its zero_stage."""
+    import json
+
+    from finetune.launch_configs import CONFIG_DIR
+
+    named = deepspeed.get("deepspeed_config_file")
+    if not named:
+        return int(deepspeed.get("zero_stage", 2))
+    for candidate in (config_path.parent / named, Path(named), CONFIG_DIR / Path(named).name):
+        if candidate.is_file():
+            try:
+                return int(json.loads(candidate.read_text())["zero_optimization"]["stage"])
+            except (ValueError, KeyError, TypeError):
+                break
+    raise UsageError(f"cannot read the ZeRO stage from {named} (named by {config_path}); pass a DeepSpeed JSON with "
+                     "zero_optimization.stage")
+
+
 @dataclass
 class Estimate:
     strategy: str
@@ -167,7 +189,8 @@ class Estimate:
     optimizer: int
     gathered: int
     activations: int
-    peak_rss: int | None = None  # a CPU run's resident set per rank; None where the strategy needs a GPU
+    peak_rss: int | None = None  # a CPU run's resident set per rank; None where not known
+    no_peak_rss: str = "GPU only"  # what the table says where peak_rss is None
 
     @property
     def state(self) -> int:
@@ -257,7 +280,25 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         sharded = n > 1 and e.strategy != "DDP"
         load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main
         e.peak_rss = cpu_peak_rss(shape, e, sharded, load)
-    return estimates
+    return estimates + zero_estimates(shape, n, mixed_precision, weight_bytes, gather_units, acts)
+
+
+def zero_estimates(shape: ModelShape, n: int, mixed_precision: str, weight_bytes: int, gather_units: int,
+                   acts: int) -> list[Estimate]:
+    """DeepSpeed's engine holds the trained weights in the compute dtype and,
+    next to them, an fp32 master partition with the two AdamW moments (12
+    bytes per element per rank); ZeRO-1 keeps whole gradients, ZeRO-2
+    partitions them, ZeRO-3 the weights too. Checked against the engine in
+    tests/test_deepspeed.py; the CPU resident set is not calibrated."""
+    p, t = shape.params, shape.trainable or shape.params
+    model_bytes = 2 if mixed_precision == "bf16" else 4
+    frozen, whole = weight_bytes * (p - t), model_bytes * t
+    part = model_bytes * -(-t // n)
+    optimizer = 12 * -(-t // n)
+    return [Estimate("DeepSpeed ZeRO-1", frozen + whole, whole, optimizer, 0, acts, no_peak_rss="not calibrated"),
+            Estimate("DeepSpeed ZeRO-2", frozen + whole, part, optimizer, 0, acts, no_peak_rss="not calibrated"),
+            Estimate("DeepSpeed ZeRO-3", -(-frozen // n) + part, part, optimizer, gather_units, acts,
+                     no_peak_rss="not calibrated")]
 
 
 def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> int:
@@ -276,7 +317,7 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in estimates:
         fits = "-" if device_memory is None else ("yes" if e.total <= device_memory else "no")
-        rss = "GPU only" if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
+        rss = e.no_peak_rss if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
                      f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
     if host is not None:

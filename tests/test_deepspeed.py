@@ -160,3 +160,15 @@ def test_a_pickled_class_outside_deepspeeds_is_refused(zero_runs, tmp_path):
     line = one_error_line(proc.stderr)
     assert "mp_rank_00_model_states.pt holds more than tensors and plain values" in line, line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_memory_planner_predicts_each_stages_state(zero_runs, stage):
+    from finetune.launch_configs import config_path
+    from finetune.memory import estimate, model_shape, read_launch_config
+
+    launch = read_launch_config(str(config_path(f"zero{stage}")))
+    assert launch.strategy == f"DeepSpeed ZeRO-{stage}"
+    rows = {e.strategy: e for e in estimate(model_shape("tiny-gpt2"), 2, 4, 64, mixed_precision="no")}
+    measured = summary(zero_runs[stage])["state_bytes_per_rank"]
+    assert rows[launch.strategy].state == pytest.approx(max(measured), rel=0.01)

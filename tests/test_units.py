@@ -559,3 +559,14 @@ def test_merged_weights_equal_peft_merge_and_unload():
         got = weights.fetch(list(weights.specs))
         assert all(torch.equal(got[n], expected[n]) for n in expected)
         assert all(torch.equal(model.state_dict()[n], before[n]) for n in before)  # the live model is untouched
+
+
+def test_shards_that_do_not_partition_the_model_stop_the_run():
+    """Each rank holding everything (a silent fallback) is refused; padded ZeRO-3 partitions are not."""
+    from finetune.distributed import ShardReport, check_partition
+    from finetune.errors import NotDistributed
+
+    check_partition(ShardReport(total_params=100, local_params_per_rank=[52, 52]), "ZeRO-3 partitions")
+    for per_rank in ([100, 100], [50, 40]):
+        with pytest.raises(NotDistributed, match="do not partition the model.*refusing to train unsharded"):
+            check_partition(ShardReport(total_params=100, local_params_per_rank=per_rank), "FSDP shards")
