@@ -82,6 +82,17 @@ def check_fsdp_options_supported_here() -> None:
                          "launch with `--config_file $(finetune configs --path fsdp)`")
 
 
+def import_what_accelerate_will() -> None:
+    """Accelerate imports DeepSpeed whenever it is installed, the first time it
+    unwraps a model, in every run (measured: 66 MB of resident set and 1.2 s).
+    Import it with the others, so that a run's memory phases measure what they
+    say (the load phase: the weights) and not that import."""
+    from accelerate.utils import is_deepspeed_available
+
+    if is_deepspeed_available():
+        import deepspeed  # noqa: F401
+
+
 def find_deepspeed_config() -> None:
     """The shipped zero*.yaml name their DeepSpeed JSON by file name: a path
     from the working directory when there is one, else the shipped file of
