@@ -169,7 +169,7 @@ def check_deepspeed_files(checkpoint_dir: Path) -> list[Path]:
         allowed = deepspeed_pickled_classes()
     except ImportError:
         raise UsageError(f"{checkpoint_dir} is a DeepSpeed checkpoint and DeepSpeed is not installed; "
-                         "`DS_BUILD_OPS=0 pip install 'finetune[deepspeed]'`") from None
+                         "`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19'`") from None
     files = sorted((checkpoint_dir / DEEPSPEED_DIR).glob("*.pt"))
     if not any(f.name.endswith("model_states.pt") for f in files):
         raise UsageError(f"{checkpoint_dir / DEEPSPEED_DIR} holds no DeepSpeed model states; the checkpoint is "
@@ -180,9 +180,10 @@ def check_deepspeed_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes stored in a checkpoint, without loading any tensor."""
+    """Parameter shapes stored in a checkpoint, without loading any tensor
+    (a DeepSpeed checkpoint's files were checked by verify_checkpoint)."""
     if layout(checkpoint_dir) == "DeepSpeed":
-        states = next(f for f in check_deepspeed_files(checkpoint_dir) if f.name.endswith("model_states.pt"))
+        states = sorted((checkpoint_dir / DEEPSPEED_DIR).glob("*model_states.pt"))[0]
         with torch.serialization.safe_globals(list(deepspeed_pickled_classes())):
             saved = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
         groups = [*(saved.get("param_shapes") or []), saved.get("frozen_param_shapes") or {}]

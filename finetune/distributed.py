@@ -114,7 +114,7 @@ def check_deepspeed_installed() -> None:
         import deepspeed  # noqa: F401
     except ImportError:
         raise UsageError("the accelerate config asks for DeepSpeed, which is not installed; "
-                         "`DS_BUILD_OPS=0 pip install 'finetune[deepspeed]'`, or launch with an FSDP config") from None
+                         "`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19'`, or launch with an FSDP config") from None
 
 
 def fit_deepspeed_to_run(accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
