@@ -38,7 +38,7 @@ from finetune.config import TrainConfig, byte_count, data_options, defaults_note
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, HostMemory, ShardReport, WriteFailed, build_accelerator, canonical_name,
                                   check_wrap_policy, count_fsdp_units, fit_deepspeed_to_run, full_numel, gather_ints,
-                                  end_training, import_what_accelerate_will, is_collective_timeout,
+                                  end_training, import_deepspeed_only_for_deepspeed_runs, is_collective_timeout,
                                   models_built_whole,
                                   on_every_rank, peak_memory_bytes, persistent_state, resident_bytes,
                                   serve_full_tensors, slow_bf16_warning, verify_sharded, zero_stage)
@@ -118,7 +118,7 @@ class StepResult:
 
 
 def train(cfg: TrainConfig) -> dict:
-    import_what_accelerate_will()
+    import_deepspeed_only_for_deepspeed_runs()
     host = HostMemory()
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)

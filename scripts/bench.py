@@ -23,7 +23,11 @@ measured after the first optimizer step), all in bytes.
 Suite `baselines`: one process, same model, same blocks, same batch and
 precision: our loop (`python -m finetune train`) against the Hugging Face
 `Trainer`, the tool most users would otherwise reach for, and our loop in bf16
-against fp32. Reported: median step time and tokens/s, and their ratios.
+against fp32. On CPUs also our loop as 2 FSDP processes on the same cores (one
+thread each, the same global batch). Reported: median step time and tokens/s,
+and their ratios. `--model` may be a pretrained model (a HF dir, or a GGUF
+file such as the quickstart's SmolLM2: `--model $(bash scripts/fetch_smollm2.sh)`),
+which every case fine-tunes from its weights.
 
 Both suites report model FLOPs utilisation: training FLOPs per token (6 x
 parameters + 12 x layers x width x block, as nanoGPT counts them) times
@@ -170,11 +174,27 @@ def matmul_peak_flops(threads: int, dtype_name: str, seconds: float = 0.5) -> fl
     return 2 * n**3 * reps / elapsed
 
 
-def train_flops_per_token(model: str, block_size: int, total_params: int) -> float:
+def model_source(model: str) -> str:
+    """A HF model dir for --model: a preset's name as it is, a GGUF file's converted dir (cached by finetune)."""
+    from finetune.models.gguf import converted_dir, is_gguf
+
+    return str(converted_dir(model)) if is_gguf(model) else model
+
+
+def layers_and_width(model: str) -> tuple[int, int]:
     from finetune.presets import GPT2_PRESETS
 
-    shape = GPT2_PRESETS[model]
-    return 6 * total_params + 12 * shape["n_layer"] * shape["n_embd"] * block_size
+    if model in GPT2_PRESETS:
+        return GPT2_PRESETS[model]["n_layer"], GPT2_PRESETS[model]["n_embd"]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_source(model), trust_remote_code=False)
+    return config.num_hidden_layers, config.hidden_size
+
+
+def train_flops_per_token(model: str, block_size: int, total_params: int) -> float:
+    layers, width = layers_and_width(model)
+    return 6 * total_params + 12 * layers * width * block_size
 
 
 def mfu(result: dict, args, units: int, peaks: dict) -> float:
@@ -325,19 +345,24 @@ def suite_configs(args) -> tuple[list[dict], str]:
 
 def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]:
     """The HF Trainer on the blocks our run trained on (same tokenizer, data,
-    split, seed), the same preset model, batch, LR and steps; step times from a
-    callback, so start-up and data preparation are not counted."""
+    split, seed), the same model (a preset built from the seed, or --model's
+    pretrained weights), batch, LR and steps; step times from a callback, so
+    start-up and data preparation are not counted."""
     import torch
-    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
     from finetune import models
     from finetune.data.text import load_raw_text, tokenize_and_group
     from finetune.presets import GPT2_PRESETS
 
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer", trust_remote_code=False)
+    preset = args.model in GPT2_PRESETS
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer" if preset else model_source(args.model),
+                                              trust_remote_code=False)
     blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
     torch.manual_seed(42)
-    model = models.build_gpt2(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = (models.build_gpt2(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id) if preset
+             else AutoModelForCausalLM.from_pretrained(model_source(args.model), dtype=torch.float32,
+                                                       trust_remote_code=False))
 
     class StepTimer(TrainerCallback):
         """Time between step ends, data loading included: what our loop logs as step_time_s."""
@@ -388,6 +413,8 @@ def suite_baselines(args) -> tuple[list[dict], str]:
     if args.compile:
         cases += [("finetune loop, compiled", mixed_precision) for name, mixed_precision in cases
                   if name == "finetune loop"]
+    if not on_gpu():  # the same cores split between two FSDP processes, one thread each
+        cases.append(("finetune loop, fsdp.yaml x 2", "no"))
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_run = Path(tmp) / "finetune loop-no-0"  # the first case: the Trainer reuses its tokenizer
 
@@ -400,10 +427,11 @@ def suite_baselines(args) -> tuple[list[dict], str]:
                           "total_params": json.loads((tokenizer_run / "summary.json").read_text())["total_params"]}
             else:
                 run_dir = Path(tmp) / f"{name}-{mixed_precision}-{round_index}"
-                # All cores, as the in-process Trainer has.
-                result = run_ours("single.yaml", 1, args, run_dir, args.batch * 2, mixed_precision,
-                                  profile=args.profile and round_index == 0, threads=cores,
-                                  compiled=name.endswith("compiled"))
+                # All cores, as the in-process Trainer has; FSDP's two processes get half each.
+                nproc = 2 if name.endswith("x 2") else 1
+                result = run_ours("fsdp.yaml" if nproc == 2 else "single.yaml", nproc, args, run_dir,
+                                  args.batch * 2 // nproc, mixed_precision, profile=args.profile and round_index == 0,
+                                  threads=cores // nproc, compiled=name.endswith("compiled"))
             result = {"case": f"{name} ({mixed_precision})", **result}
             result["mfu"] = mfu(result, args, units, peaks)
             return result
@@ -411,8 +439,8 @@ def suite_baselines(args) -> tuple[list[dict], str]:
         results = fastest_rounds(cases, run_case, args.rounds)
     by_case = {r["case"]: r for r in results}
     ours, trainer = by_case["finetune loop (no)"], by_case["HF Trainer (no)"]
-    lines = [f"model {args.model}, {args.steps} steps, batch {args.batch * 2} x {args.block_size} tokens, 1 process, "
-             f"{cores} threads, fastest of {args.rounds} round(s)", "",
+    lines = [f"model {args.model}, {args.steps} steps, global batch {args.batch * 2} x {args.block_size} tokens, "
+             f"{cores} threads (1 process, or 2 FSDP processes with half each), fastest of {args.rounds} round(s)", "",
              "| case | step time (s) | tokens/s | tokens/s vs HF Trainer (fp32) | MFU |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} | "
@@ -424,6 +452,9 @@ def suite_baselines(args) -> tuple[list[dict], str]:
     lines += profile_table(results, "case")
     lines += ["", "targets:", target_line("our loop / HF Trainer tokens/s, fp32", ours["tokens_per_sec"] /
                                           trainer["tokens_per_sec"], 1.15 if args.model == "tiny-gpt2" else 1.0, True)]
+    if fsdp := by_case.get("finetune loop, fsdp.yaml x 2 (no)"):
+        lines.append(target_line("2-process FSDP / 1 process tokens/s, same cores", fsdp["tokens_per_sec"] /
+                                 ours["tokens_per_sec"], 1.0, True))
     return results, "\n".join(lines)
 
 
@@ -587,7 +618,8 @@ def main() -> None:
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
-    parser.add_argument("--model", default="gpt2-small", help="a GPT-2 preset (default: the GPT-2 124M shape)")
+    parser.add_argument("--model", default="gpt2-small",
+                        help="a GPT-2 preset (default: the GPT-2 124M shape), or a causal LM's HF dir or GGUF file")
     parser.add_argument("--dataset", default="builtin")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per case (the first 2 are warm-up)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank at 2 ranks")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -237,6 +238,59 @@ def test_text_shorter_than_one_block_is_a_clear_error():
     raw = DatasetDict(train=Dataset.from_dict({"text": ["a few words"]}), validation=Dataset.from_dict({"text": ["a few"]}))
     with pytest.raises(UsageError, match="fewer than one block of --block_size 64"):
         tokenize_and_group(raw, tokenizer, block_size=64)
+
+
+def test_a_preset_tokenizer_is_trained_once_per_text_and_its_tokens_cached_across_run_dirs(tmp_path, monkeypatch):
+    import datasets
+
+    import finetune.data.tokenizer as tokenizer_module
+    from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    texts = [f"document {i} says alpha beta gamma {i * 7} delta" for i in range(300)]
+    DatasetDict(train=Dataset.from_dict({"text": texts}),
+                validation=Dataset.from_dict({"text": texts[:20]})).save_to_disk(tmp_path / "raw")
+    raw = datasets.load_from_disk(str(tmp_path / "raw"))  # file-backed: maps write cache files
+
+    save_bpe_tokenizer(raw["train"], 320, tmp_path / "run_a" / "tokenizer")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again")
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", no_training)
+    save_bpe_tokenizer(raw["train"], 320, tmp_path / "run_b" / "tokenizer")  # the same text: from the cache
+    trained = train_bpe_tokenizer(texts, 320)
+    trained.save_pretrained(tmp_path / "fresh")
+    for run in ("run_a", "run_b"):
+        assert (tmp_path / run / "tokenizer" / "tokenizer.json").read_text() == \
+            (tmp_path / "fresh" / "tokenizer.json").read_text()
+    with pytest.raises(AssertionError, match="trained again"):
+        save_bpe_tokenizer(raw["train"], 330, tmp_path / "run_c" / "tokenizer")  # another vocabulary size
+    with pytest.raises(AssertionError, match="trained again"):
+        save_bpe_tokenizer(raw["train"].select(range(100)), 320, tmp_path / "run_c" / "tokenizer")  # other text
+
+    # The second run dir's tokenizer finds the first one's tokens in datasets' cache.
+    blocks = [tokenize_and_group(raw, load_preset_tokenizer(tmp_path / run / "tokenizer", "tiny-gpt2"), 16)
+              for run in ("run_a", "run_b")]
+    assert blocks[0]["train"].cache_files and blocks[0]["train"].cache_files == blocks[1]["train"].cache_files
+    assert blocks[0]["train"]["input_ids"][:3].tolist() == blocks[1]["train"]["input_ids"][:3].tolist()
+
+
+@pytest.mark.parametrize("deepspeed_run", [False, True])
+def test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps(deepspeed_run):
+    pytest.importorskip("deepspeed")
+    script = """
+import sys
+import torch
+from accelerate.utils import extract_model_from_parallel
+from finetune.distributed import import_deepspeed_only_for_deepspeed_runs
+import_deepspeed_only_for_deepspeed_runs()
+extract_model_from_parallel(torch.nn.Linear(2, 2))  # what Accelerate's prepare and unwrap_model call
+print("deepspeed" in sys.modules)
+"""
+    env = {**os.environ, "ACCELERATE_USE_DEEPSPEED": "true" if deepspeed_run else "false"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == str(deepspeed_run)
 
 
 def test_local_jsonl_needs_the_text_column(tmp_path):

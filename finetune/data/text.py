@@ -95,11 +95,11 @@ def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, blo
         return {"input_ids": [stream[i:i + block_size] for i in range(0, usable, block_size)]}
 
     tokens = raw.map(tokenize, batched=True, remove_columns=["text"], desc="tokenizing", num_proc=num_proc or None)
-    counts = {name: sum(len(ids) for ids in split["input_ids"]) for name, split in tokens.items()}
     blocks = tokens.map(group, batched=True, batch_size=1000, desc=f"grouping into blocks of {block_size}")
     for name, split in blocks.items():
         if len(split) == 0:
-            raise UsageError(f"the {name} text has {counts[name]} tokens, fewer than one block of --block_size {block_size}; "
+            count = sum(len(ids) for ids in tokens[name]["input_ids"])
+            raise UsageError(f"the {name} text has {count} tokens, fewer than one block of --block_size {block_size}; "
                              "add text or lower --block_size")
     return blocks.with_format("torch")
 

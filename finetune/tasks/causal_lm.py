@@ -18,8 +18,8 @@ from finetune.models import lora
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
 from finetune.data.sources import limit_samples
-from finetune.data.text import load_raw_data, text_iterator, tokenize_and_group
-from finetune.data.tokenizer import train_bpe_tokenizer
+from finetune.data.text import load_raw_data, tokenize_and_group
+from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
 from finetune.distributed import (broadcast_from_main, check_same_layout, leave_loading_to_the_ranks,
                                   main_process_first, weights_from_main_process)
 from finetune.errors import UsageError
@@ -141,10 +141,9 @@ class CausalLM(Task):
         if cfg.model in GPT2_PRESETS:
             tokenizer_dir = run_dir / "tokenizer"
             if accelerator.is_main_process and not (tokenizer_dir / "tokenizer.json").is_file():
-                tok = train_bpe_tokenizer(text_iterator(raw_train), GPT2_PRESETS[cfg.model]["vocab_size"])
-                tok.save_pretrained(tokenizer_dir)
+                save_bpe_tokenizer(raw_train, GPT2_PRESETS[cfg.model]["vocab_size"], tokenizer_dir)
             accelerator.wait_for_everyone()
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+            tokenizer = load_preset_tokenizer(tokenizer_dir, cfg.model)
             model = self.base_model(tokenizer, weights_here=accelerator.is_main_process or not from_main)
         else:
             if from_main:
