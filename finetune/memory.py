@@ -63,9 +63,11 @@ RUNTIME_BYTES = 530 * MIB
 # The heap's high-water mark above the live tensors, in fp32 bytes of the
 # parameters held in tensors below the mmap threshold: on one process their
 # gradients and the optimizer's temporaries pass through it; sharded, also
-# the gathered units and their unsharded gradients.
+# the gathered units and their unsharded gradients. (Sharded it was 3.25 with
+# gloo's own reduce-scatter and all-gather, whose temporaries were whole units;
+# finetune/distributed.py's reduce in place and gather in 4 MB pieces.)
 HEAP_CHURN_ONE_PROCESS = 2.0
-HEAP_CHURN_SHARDED = 3.25
+HEAP_CHURN_SHARDED = 0.9
 
 
 @dataclass
