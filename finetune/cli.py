@@ -250,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default: {TrainConfig().loss_chunk_size})")
     memory.add_argument("--model_dtype", choices=["float32", "bfloat16"], default="float32",
                         help="as for train: the dtype the weights are held in (default: 'float32')")
-    memory.add_argument("--peft", choices=["none", "lora"], default="none",
-                        help="lora: a frozen base (weights only) and trainable adapters (default: 'none')")
+    memory.add_argument("--peft", choices=["none", "lora", "qlora"], default="none",
+                        help="lora: a frozen base (weights only) and trainable adapters; qlora: the same with the "
+                             "adapted base weights in 4 bits (default: 'none')")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
                         help=f"as for train (default: {TrainConfig().lora_r})")
     memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
@@ -396,21 +397,22 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
     lora = None
-    if args.peft == "lora":
+    if args.peft != "none":
         from finetune.models.lora import lora_config
 
         defaults = TrainConfig()
         lora = lora_config(args.lora_r, defaults.lora_alpha, defaults.lora_dropout, args.lora_target_modules)
     elif args.lora_r != TrainConfig().lora_r or args.lora_target_modules != TrainConfig().lora_target_modules:
-        raise UsageError("--lora_r and --lora_target_modules apply to --peft lora; add it or drop them")
-    shape = model_shape(args.model, lora)
+        raise UsageError("--lora_r and --lora_target_modules apply to --peft lora or qlora; add it or drop them")
+    shape = model_shape(args.model, lora, four_bit_over=num_processes if args.peft == "qlora" else 0)
+    ram_efficient_loading = launch.ram_efficient_loading and args.peft != "qlora"  # QLoRA: each rank quantises its own copy
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes, launch.ram_efficient_loading)
+                         args.loss_chunk_size, weight_bytes, ram_efficient_loading)
     # DeepSpeed: every rank loads the whole model (ZeRO-3's final save, which
     # gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.strategy.startswith("FSDP"),
-                    launch.ram_efficient_loading, weight_bytes, args.max_shard_size)
+                    ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")
@@ -425,7 +427,25 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def keep_torchao_out_of_transformers() -> None:
+    """transformers imports torchao with its model code whenever torchao is
+    installed (the qlora extra), for checkpoints torchao quantised: 0.3 s per
+    process here, and on machines without CUDA a log line for each of its CUDA
+    kernels. finetune never loads such checkpoints, and a QLoRA run imports
+    torchao's NF4 itself (finetune/models/lora.py), so transformers is told it
+    is not there. Runs before anything imports transformers' model code."""
+    if "transformers.modeling_utils" in sys.modules:
+        return
+    import transformers.utils
+    import transformers.utils.import_utils
+
+    def unavailable(*args, **kwargs) -> bool:
+        return False
+    transformers.utils.is_torchao_available = transformers.utils.import_utils.is_torchao_available = unavailable
+
+
 def run_command(argv: list[str] | None) -> int:
+    keep_torchao_out_of_transformers()
     try:
         args = parse(argv)
         return args.func(args)

@@ -450,9 +450,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor holds; a subclass's are its inner tensors' (a QLoRA
+    base weight: 4-bit codes and their scales, not numel x its bf16 dtype)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        return sum(held_bytes(getattr(t, name)) for name in inner)
+    return t.numel() * t.element_size()
+
+
 def _tally(tensors) -> dict[str, int]:
     local = [_local(t) for t in tensors]
-    return {"elements": sum(t.numel() for t in local), "bytes": sum(t.numel() * t.element_size() for t in local)}
+    return {"elements": sum(t.numel() for t in local), "bytes": sum(held_bytes(t) for t in local)}
 
 
 def persistent_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
@@ -582,9 +591,9 @@ def weights_from_main_process(accelerator: Accelerator) -> bool:
 
 
 def leave_loading_to_the_ranks(accelerator: Accelerator) -> None:
-    """Each rank reads its own shards once `prepare` has sharded the empty
-    model (finetune/shard_loading.py): Accelerate must not send the main
-    process's copy, which was never loaded."""
+    """Accelerate must not send the main process's copy of the weights: each
+    rank reads its own shards once `prepare` has sharded the empty model
+    (finetune/shard_loading.py), or (QLoRA) loaded and quantised its own copy."""
     accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False
 
 

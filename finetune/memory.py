@@ -3,7 +3,7 @@ gathered FSDP units and activations will take under each strategy.
 
 Persistent state with AdamW and fp32 master weights is 16 bytes per parameter
 (4 weights + 4 gradients + 8 moments); with LoRA, the frozen base has only its
-4 bytes of weights, and the adapters the whole 16. DDP keeps all of it on every device;
+4 bytes of weights (with QLoRA, the adapted ones about half a byte), and the adapters the whole 16. DDP keeps all of it on every device;
 FSDP keeps 1/N of it and, while a unit computes, a gathered copy of that unit in
 the compute dtype (two units with prefetch). SHARD_GRAD_OP keeps every unit
 gathered from forward to backward. Offload moves the persistent state to CPU
@@ -37,6 +37,7 @@ Host RAM at load and at the final save (`host_ram`), per rank above the runtime:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from transformers import AutoConfig, GPT2Config
 
 from finetune.errors import UsageError
 from finetune.models.gguf import converted_dir, is_gguf
+from finetune.models.lora import NF4_BYTES_PER_WEIGHT
 from finetune.presets import GPT2_PRESETS
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
@@ -79,15 +81,17 @@ class ModelShape:
     vocab: int
     heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
     trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
+    four_bit: int = 0     # frozen parameters a QLoRA run holds as NF4
     largest_tensor: int = 0  # elements of the largest parameter
     own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
 
 
-def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
+def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
     are estimated. With a peft LoraConfig, the adapters peft would add are
-    counted too, and only they are trainable."""
+    counted too, and only they are trainable; with `four_bit_over` ranks
+    (QLoRA), the adapted weights NF4 can shard over them are counted apart."""
     causal_lm = REGISTRY["causal-lm"]
     if name_or_path in GPT2_PRESETS:
         config = GPT2Config(**GPT2_PRESETS[name_or_path])
@@ -106,10 +110,16 @@ def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     with torch.device("meta"):
         model = causal_lm.auto().from_config(config)
+    four_bit = 0
     if lora_config is not None:
-        from finetune.models.lora import add_adapters
+        from finetune.models import lora
 
-        model = add_adapters(model, lora_config)
+        if four_bit_over:
+            lora.linears_for_conv1d(model)
+        model = lora.add_adapters(model, lora_config)
+        if four_bit_over:
+            four_bit = sum(layer.weight.numel() for layer in lora.adapted_layers(model).values()
+                           if lora.nf4_fits(layer.weight.shape, four_bit_over))
     from finetune.shard_loading import OwnShards  # imports the distributed helpers, which import this module
 
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -119,7 +129,7 @@ def model_shape(name_or_path: str, lora_config=None) -> ModelShape:
     root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
-                      trainable=sum(p.numel() for p in unique.values() if p.requires_grad),
+                      trainable=sum(p.numel() for p in unique.values() if p.requires_grad), four_bit=four_bit,
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
@@ -242,6 +252,8 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
         load_main, load_other = full + shard, shard + weight_bytes * shape.largest_tensor
     else:
         loading, load_main, load_other = "every rank loads the whole model, then keeps its shard", full + shard, full + shard
+    if shape.four_bit:  # QLoRA: final/ merges the adapters into the base reloaded whole on the main process
+        return HostRam(loading, load_main, load_other, full + weight_bytes * shape.largest_tensor, 0)
     # final/ is written in fp32 (a LoRA run's frozen base in its own dtype), one
     # file at a time; unsharded tensors are written as they are, without a copy.
     lora = 0 < shape.trainable < shape.params
@@ -265,11 +277,11 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
     acts = activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size)
     # Gathered copies: two units (the current one and the prefetched next one).
     gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
-    frozen, trained = -(-(p - t) // n), -(-t // n)  # ceil: FSDP pads the last shard
-    weights = weight_bytes * frozen + trained_bytes * trained
+    trained = -(-t // n)  # ceil: FSDP pads the last shard
+    weights = frozen_bytes(shape, weight_bytes, n) + trained_bytes * trained
     grads, moments = trained_bytes * trained, 2 * trained_bytes * trained
     estimates = [
-        Estimate("DDP", weight_bytes * (p - t) + trained_bytes * t, trained_bytes * t, 2 * trained_bytes * t,
+        Estimate("DDP", frozen_bytes(shape, weight_bytes) + trained_bytes * t, trained_bytes * t, 2 * trained_bytes * t,
                  p * 2 if mixed_precision == "bf16" else 0, acts),
         Estimate("FSDP full shard", weights, grads, moments, gather_units, acts),
         Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, p * compute if n > 1 else 0, acts),
@@ -285,6 +297,13 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
     return estimates + zero_estimates(shape, n, mixed_precision, weight_bytes, gather_units, acts)
 
 
+def frozen_bytes(shape: ModelShape, weight_bytes: int, ranks: int = 1) -> int:
+    """A rank's share of the frozen base (none in a full fine-tune): `weight_bytes`
+    per parameter, and NF4's size for a QLoRA run's 4-bit ones."""
+    frozen = shape.params - (shape.trainable or shape.params)
+    return weight_bytes * -(-(frozen - shape.four_bit) // ranks) + math.ceil(NF4_BYTES_PER_WEIGHT * shape.four_bit / ranks)
+
+
 def zero_estimates(shape: ModelShape, n: int, mixed_precision: str, weight_bytes: int, gather_units: int,
                    acts: int) -> list[Estimate]:
     """DeepSpeed's engine holds the trained weights in the compute dtype and,
@@ -294,12 +313,12 @@ def zero_estimates(shape: ModelShape, n: int, mixed_precision: str, weight_bytes
     tests/test_deepspeed.py; the CPU resident set is not calibrated."""
     p, t = shape.params, shape.trainable or shape.params
     model_bytes = 2 if mixed_precision == "bf16" else 4
-    frozen, whole = weight_bytes * (p - t), model_bytes * t
+    frozen, whole = frozen_bytes(shape, weight_bytes), model_bytes * t
     part = model_bytes * -(-t // n)
     optimizer = 12 * -(-t // n)
     return [Estimate("DeepSpeed ZeRO-1", frozen + whole, whole, optimizer, 0, acts, no_peak_rss="not calibrated"),
             Estimate("DeepSpeed ZeRO-2", frozen + whole, part, optimizer, 0, acts, no_peak_rss="not calibrated"),
-            Estimate("DeepSpeed ZeRO-3", -(-frozen // n) + part, part, optimizer, gather_units, acts,
+            Estimate("DeepSpeed ZeRO-3", frozen_bytes(shape, weight_bytes, n) + part, part, optimizer, gather_units, acts,
                      no_peak_rss="not calibrated")]
 
 

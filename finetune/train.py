@@ -470,7 +470,19 @@ def write_final_model(run: Run) -> Path:
     hf_config = live_model.config
     write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
                          max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
-    if (not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP) or zero_stage(acc) == 3:
+    if run.cfg.peft == "qlora":
+        # The base trained in 4 bits: the adapters are merged into the weights it was quantised from, as
+        # `finetune export` merges them, on the main process (the base whole, once).
+        adapters = {canonical_name(name): t for name, t in live_model.state_dict().items() if ".lora_" in name}
+
+        def merged(fetch) -> dict[str, torch.Tensor]:
+            return merged_state_dict(run.task.base_model(run.data.tokenizer), fetch(list(adapters)),
+                                     run.checkpoints.adapter_config)
+
+        def write() -> None:
+            serve_full_tensors(acc, adapters, lambda fetch: write_model_dir(merged(fetch), hf_config, final_dir,
+                                                                             **write_options))
+    elif (not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP) or zero_stage(acc) == 3:
         # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
         state_dict = {canonical_name(name): tensor for name, tensor in (acc.get_state_dict(run.model) or {}).items()}
         if acc.is_main_process and run.checkpoints.adapter_config is not None:

@@ -226,7 +226,8 @@ def status(field):  # bytes
 
 assert main(["generate", {str(exported)!r}, "--prompt", "The", "--max_new_tokens", "2"]) == 0
 assert main(["export", {str(checkpointed_run)!r}, "--output", {str(tmp_path / "small")!r}]) == 0  # imports, warm paths
-heavy = ("datasets", "matplotlib", "evaluate", "tensorboard", "peft", "deepspeed", "sklearn", "pandas", "wandb", "mlflow")
+heavy = ("datasets", "matplotlib", "evaluate", "tensorboard", "peft", "deepspeed", "torchao", "sklearn", "pandas", "wandb",
+         "mlflow")
 assert not [name for name in heavy if name in sys.modules], [name for name in heavy if name in sys.modules]
 baseline = status("VmRSS")
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here

@@ -248,6 +248,96 @@ def test_qlora_on_cpu_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# --- QLoRA: the same adapters on a 4-bit (NF4) base. Its code path runs on CPU here only through
+# FINETUNE_QLORA_ON_CPU (the CLI refuses QLoRA without a GPU); fp32 compute, so comparisons are exact.
+
+NF4_BYTES_PER_WEIGHT = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes, an int8 scale per 64, an fp32 scale per 256 scales
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
+    """The LoRA run's 6 steps with --peft qlora."""
+    pytest.importorskip("torchao")
+    run_dir = tmp_path_factory.mktemp("qlora") / "run"
+    check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
+                      "--lora_r", "8", "--learning_rate", "3e-3", "--max_steps", "6", "--checkpoint_every", "3",
+                      "--output_dir", str(run_dir)], {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no"))
+    return run_dir
+
+
+def test_qlora_holds_the_adapted_base_in_4_bits_and_merges_into_the_original(qlora_run, lora_run, gpt2_dir, tmp_path):
+    summary = json.loads((qlora_run / "summary.json").read_text())
+    assert summary["peft"] == "qlora" and summary["distributed_type"] == "FSDP"
+    assert sum(summary["local_params_per_rank"]) == summary["total_params"]
+    assert max(summary["local_params_per_rank"]) < summary["total_params"]
+
+    # Against the same LoRA run in fp32, each rank saves 4 bytes less ~0.52 per adapted base weight it holds:
+    # GPT-2's Conv1D weights (c_attn, c_proj, c_fc), split over 2 ranks.
+    base = load_file(gpt2_dir / "model.safetensors")
+    adapted = {name for name, t in base.items() if t.dim() == 2 and name.split(".")[-2] in ("c_attn", "c_proj", "c_fc")}
+    per_rank = sum(base[name].numel() for name in adapted) // 2
+    lora_summary = json.loads((lora_run / "summary.json").read_text())
+    for full, four_bit in zip(lora_summary["state_bytes_per_rank"], summary["state_bytes_per_rank"]):
+        assert full - four_bit == pytest.approx(per_rank * (4 - NF4_BYTES_PER_WEIGHT), rel=0.01)
+    proc = run_in_process("estimate-memory", "--model", gpt2_dir, "--num_processes", "2", "--peft", "qlora",
+                          "--lora_r", "8", "--mixed_precision", "no")
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| FSDP full shard"))
+    predicted = sum(int(cell.replace(",", "")) for cell in row.split("|")[2:5])
+    for measured in summary["state_bytes_per_rank"]:
+        assert measured == pytest.approx(predicted, rel=0.10)
+
+    # The adapters trained on the 4-bit base; final/ merges them into the fp32 weights it was quantised from,
+    # exactly as peft merges the exported adapter into the base from disk.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert run_in_process("export", qlora_run, "--adapter_only", "--output", tmp_path / "adapter").returncode == 0
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert all(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
+    assert {name.split(".lora_")[0].removeprefix("base_model.model.") + ".weight" for name in adapter} == adapted
+    final = load_file(qlora_run / "final" / "model.safetensors")
+    assert final.keys() == base.keys()
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(gpt2_dir), tmp_path / "adapter")
+    merged = merged.merge_and_unload().state_dict()
+    for name in final:
+        if name in adapted:
+            assert not torch.equal(final[name], base[name]), name
+            torch.testing.assert_close(final[name], merged[name], rtol=0, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(final[name], base[name]), name
+    assert run_in_process("export", qlora_run, "--output", tmp_path / "merged").returncode == 0
+    exported = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(torch.equal(exported[name], final[name]) for name in final)
+
+    evals = eval_rows(qlora_run)
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05  # it learns
+
+
+def test_qlora_resume_is_exact(qlora_run, tmp_path, env):
+    resumed = tmp_path / "resumed"
+    check_ok(run_cli(["train", "--config", str(qlora_run / "run_config.yaml"), "--resume_from_checkpoint",
+                      str(qlora_run / "checkpoints" / "step_000003"), "--output_dir", str(resumed)],
+                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no"))
+    full = {r["step"]: r for r in train_rows(qlora_run)}
+    rows = train_rows(resumed)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    for row in rows:
+        assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-6)
+        assert row["grad_norm"] == pytest.approx(full[row["step"]]["grad_norm"], rel=1e-5)
+
+
+def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
+    pytest.importorskip("torchao")
+    proc = run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
+                    "--max_steps", "1", "--output_dir", str(tmp_path / "run")], {**env, "FINETUNE_QLORA_ON_CPU": "1"},
+                   config="ddp.yaml", mixed_precision="no")
+    assert proc.returncode != 0  # each rank exits 2; the launcher reports them failed (exit 1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "with FSDP2 only" in errors[0], proc.stderr[-2000:]
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("options, message", [
     (["--peft", "lora", "--lora_r", "0"], "--lora_r must be > 0"),
     (["--lora_r", "4"], "add --peft lora"),

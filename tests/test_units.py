@@ -624,3 +624,40 @@ def test_shards_that_do_not_partition_the_model_stop_the_run():
     for per_rank in ([100, 100], [50, 40]):
         with pytest.raises(NotDistributed, match="do not partition the model.*refusing to train unsharded"):
             check_partition(ShardReport(total_params=100, local_params_per_rank=per_rank), "FSDP shards")
+
+
+def test_qlora_quantises_the_adapted_weights_whose_shards_are_whole_nf4_blocks():
+    """GPT-2's Conv1D layers become Linear (the same function); of the adapted
+    weights, those whose shards split into whole blocks of 64 x 256 weights over
+    the ranks turn 4-bit, the others stay, and the model still computes nearly
+    what it did (NF4 rounds each weight to one of 16 levels per block)."""
+    pytest.importorskip("torchao")
+    from finetune.distributed import held_bytes
+    from finetune.models import lora
+
+    torch.manual_seed(0)
+    # c_attn 128 x 384 (49,152 weights: 3 blocks of 16,384, not splittable over 2 ranks), c_proj 128 x 128
+    # (1 block), c_fc / mlp.c_proj 128 x 512 (4 blocks: 2 per rank).
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=128, n_layer=1, n_head=2, n_positions=32)).eval()
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        before = model(tokens).logits
+    assert lora.linears_for_conv1d(model) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, before, rtol=0, atol=1e-5)
+
+    model = lora.add_adapters(model, lora.lora_config(4, 8.0, 0.0, "all-linear"))
+    quantized, kept = lora.quantize_adapted_bases(model, world_size=2, device=torch.device("cpu"))
+    assert quantized == 2
+    assert sorted(name.removeprefix("base_model.model.transformer.h.0.") for name in kept) == ["attn.c_attn", "attn.c_proj"]
+    nf4 = lora.nf4_tensor_class()
+    weights = {name: p for name, p in model.named_parameters() if name.endswith("base_layer.weight")}
+    four_bit = {name for name, p in weights.items() if isinstance(p, nf4)}
+    assert four_bit == {n for n in weights if ".mlp." in n}
+    for name in four_bit:
+        assert not weights[name].requires_grad
+        assert held_bytes(weights[name]) < 0.55 * weights[name].numel()  # about half a byte per weight
+    with torch.no_grad():
+        after = model(tokens).logits
+    assert not torch.equal(after, before)
+    assert (after - before).abs().max() < 0.1 * before.abs().max()

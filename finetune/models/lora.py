@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,19 +22,28 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from finetune.errors import UsageError
 
+# peft imports torchao wherever it is installed (the qlora extra). Without CUDA, torchao logs each of its
+# CUDA kernels failing to load and torch warns about enums it registers; neither concerns NF4, plain torch code.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_RECORD = "peft_base.json"  # in a checkpoint's model_config/: which base the adapters belong to
 ADAPTER_NAME = "default"        # peft's name for the one adapter; its saved files leave it out of the keys
 
 
+QLORA_ON_CPU = "FINETUNE_QLORA_ON_CPU"  # "1": run QLoRA's code path on CPU, to test it where no GPU is
+
+
 def check_supported_here(peft: str) -> None:
     """Before any process group starts: what this machine cannot run."""
     if peft != "qlora":
         return
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
         raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use --peft lora")
-    raise UsageError("--peft qlora is not available in this version; use --peft lora")
+    lora_config(1, 1.0, 0.0, "all-linear")  # peft installed
+    nf4_tensor_class()
 
 
 @contextmanager
@@ -150,6 +161,83 @@ def _delta_weight(layer, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Te
     a, b = (lora_a.float(), lora_b.float()) if cast_to_fp32 else (lora_a, lora_b)
     delta = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER_NAME]
     return delta.to(lora_b.dtype) if cast_to_fp32 else delta
+
+
+# --- QLoRA: the adapted layers' base weights in 4 bits ---------------------------------------------
+#
+# torchao's NF4Tensor (the QLoRA paper's 4-bit NormalFloat with double
+# quantisation) rather than bitsandbytes' Params4bit: it is a tensor subclass
+# FSDP2 shards and all-gathers in its 4-bit form (fsdp_pre/post_all_gather),
+# works on any device, and dequantises inside F.linear. bitsandbytes' 4-bit
+# parameters are not DTensor-aware; Accelerate leaves them out of sharding.
+
+NF4_BLOCK = 64           # weights per absmax scale
+NF4_SCALER_BLOCK = 256   # scales per second-level scale (double quantisation)
+# 4-bit codes, an int8 scale per block and an fp32 scale per NF4_SCALER_BLOCK scales
+NF4_BYTES_PER_WEIGHT = (4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_SCALER_BLOCK)) / 8
+
+
+def nf4_tensor_class():
+    try:
+        try:
+            from torchao.quantization import NF4Tensor
+        except ImportError:  # older torchao kept it with its dtypes
+            from torchao.dtypes import NF4Tensor
+    except ImportError:
+        raise UsageError("--peft qlora needs torchao for its 4-bit weights: pip install 'finetune[qlora]' "
+                         "(or pip install torchao)") from None
+    return NF4Tensor
+
+
+def linears_for_conv1d(model: torch.nn.Module) -> int:
+    """GPT-2's Conv1D layers (y = x W + b, W stored [in, out]) as nn.Linear with
+    W transposed: the same function, in the layout NF4 multiplies. peft's
+    adapters have the same shapes either way; only the saved config's
+    fan_in_fan_out differs, which peft sets itself when merging into Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                linear = torch.nn.Linear(child.nx, child.nf, device="meta")
+                linear.weight = torch.nn.Parameter(child.weight.detach().t().contiguous(), child.weight.requires_grad)
+                linear.bias = child.bias
+                setattr(module, name, linear)
+                swapped += 1
+    return swapped
+
+
+def quantize_adapted_bases(model: torch.nn.Module, world_size: int, device: torch.device) -> tuple[int, list[str]]:
+    """Each adapted layer's frozen base weight as NF4, quantised on `device`.
+    NF4 keeps one scale per NF4_BLOCK weights and one second-level scale per
+    NF4_SCALER_BLOCK scales, and FSDP splits its rows evenly over the ranks, so
+    a weight whose shard is not whole second-level blocks stays as it was.
+    Returns how many were quantised and the names of the layers kept."""
+    nf4 = nf4_tensor_class()
+    quantized, kept = 0, []
+    for name, layer in adapted_layers(model).items():
+        weight = layer.weight
+        if not nf4_fits(weight.shape, world_size):
+            kept.append(name)
+            continue
+        four_bit = nf4.from_tensor(weight.detach().to(device), NF4_BLOCK, NF4_SCALER_BLOCK)
+        layer.weight = torch.nn.Parameter(four_bit, requires_grad=False)
+        quantized += 1
+    return quantized, kept
+
+
+def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The base layer of each module peft put adapters on, by the module's name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module.get_base_layer() for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def nf4_fits(shape: torch.Size, world_size: int) -> bool:
+    """A 2-D weight whose rows split evenly over the ranks into whole second-level blocks."""
+    return (len(shape) == 2 and shape[0] % world_size == 0
+            and shape.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK * world_size) == 0)
 
 
 # --- which base the adapters belong to -------------------------------------------------------------
