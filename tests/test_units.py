@@ -293,6 +293,25 @@ print("deepspeed" in sys.modules)
     assert proc.stdout.split()[-1] == str(deepspeed_run)
 
 
+@pytest.mark.parametrize("kept_out", [False, True])
+def test_transformers_model_code_imports_torchao_unless_kept_out(kept_out):
+    """Guards finetune.cli.keep_torchao_out_of_transformers from both sides: the
+    import it saves happens without it, and not with it."""
+    pytest.importorskip("torchao")
+    script = f"""
+import sys
+from finetune.cli import keep_torchao_out_of_transformers
+if {kept_out}:
+    keep_torchao_out_of_transformers()
+from transformers import GPT2Config, GPT2LMHeadModel
+GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+print("torchao" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == str(not kept_out)
+
+
 def test_local_jsonl_needs_the_text_column(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(10)))
