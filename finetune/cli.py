@@ -427,6 +427,30 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def entry() -> None:
+    """The `finetune` command and `python -m finetune`: `main`, then an exit
+    without the interpreter's teardown, which frees every object torch and
+    transformers made at import one by one: 1.1 s of every process here, for
+    nothing the process still needs. What a normal exit would still do is done
+    first: non-daemon threads are joined and the atexit hooks run (logging's,
+    trackers'); the standard streams are flushed. An exception still ends the
+    usual way, with its traceback."""
+    import atexit
+    import threading
+
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the hooks sys.exit would run (stdlib, undocumented but stable since Python 2)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, as a normal exit would find it
+            pass
+    os._exit(code)
+
+
 def keep_torchao_out_of_transformers() -> None:
     """transformers imports torchao with its model code whenever torchao is
     installed (the qlora extra), for checkpoints torchao quantised: 0.3 s per

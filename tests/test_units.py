@@ -680,3 +680,20 @@ def test_qlora_quantises_the_adapted_weights_whose_shards_are_whole_nf4_blocks()
         after = model(tokens).logits
     assert not torch.equal(after, before)
     assert (after - before).abs().max() < 0.1 * before.abs().max()
+
+
+@pytest.mark.parametrize("args, code", [(["configs"], 0), (["configs", "--path", "no-such-config"], 2)])
+def test_the_command_exits_with_its_code_after_the_atexit_hooks_and_its_output(args, code):
+    """`entry` skips the interpreter's teardown (os._exit), not what a normal exit does."""
+    script = f"""
+import atexit, sys
+from finetune import cli
+atexit.register(lambda: sys.stdout.write("hook ran\\n"))  # unflushed: the exit must flush it
+sys.argv = ["finetune", *{args!r}]
+cli.entry()
+print("not reached")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout.endswith("hook ran\n") and "not reached" not in proc.stdout
+    assert ("error:" in proc.stderr) == (code != 0)
