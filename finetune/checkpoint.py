@@ -38,7 +38,7 @@ from finetune.config import TrainConfig, resume_changes
 from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
 from finetune.models import lora
-from finetune.model_dir import tied_duplicates, write_model_files
+from finetune.model_dir import TIED_FILE, tied_duplicates, write_model_files
 from finetune.report import say
 from finetune.verify import (MANIFEST, check_dcp_dir, check_pickled_file, deepspeed_loads_weights_only,
                              deepspeed_pickled_classes, verify_manifest, write_manifest)
@@ -407,7 +407,10 @@ class CheckpointManager:
         (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
-        if self.adapter_config is not None:
+        if self.adapter_config is None:  # a LoRA export builds its base, which knows its ties
+            tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
+            (tmp / MODEL_CONFIG_DIR / TIED_FILE).write_text(json.dumps(tied, indent=2))
+        else:
             self.adapter_config.save_pretrained(str(tmp / MODEL_CONFIG_DIR))
             (tmp / MODEL_CONFIG_DIR / lora.BASE_RECORD).write_text(json.dumps(self.base_record))
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete

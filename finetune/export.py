@@ -16,13 +16,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
+import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
 from finetune.checkpoint import (DEEPSPEED_DIR, MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, check_deepspeed_files,
                                  complete_checkpoints, read_progress, saved_config)
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError
-from finetune.model_dir import Weights, atomic_dir, check_output_dir, write_model_dir
+from finetune.model_dir import Weights, atomic_dir, check_output_dir, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
 from finetune.shard_loading import SAFETENSORS_DTYPES
@@ -151,10 +151,11 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
         return write_adapter_dir(checkpoint_dir, checkpoint_weights(weights), output)
     model_weights = (merged_weights(checkpoint_dir, checkpoint_weights(weights), tokenizer, base_model) if adapters
                      else checkpoint_weights(weights))
+    tied = read_tied(model_files) if config_source == str(model_files) and not adapters else None
     try:
         return write_model_dir(model_weights, config, output, tokenizer=tokenizer, generation_config=generation_config,
                                run_data=run_data(checkpoint_dir), dtype=dtype,
-                               max_shard_size=max_shard_size, overwrite=overwrite)
+                               max_shard_size=max_shard_size, overwrite=overwrite, tied=tied)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UsageError(f"could not write {output} ({reason}); it was left as it was: free space or choose another "

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, AutoTokenizer
 
-import finetune.models  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
+import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Auto classes)
 from finetune.config import DATA_OPTIONS, TrainConfig
 from finetune.errors import UsageError
 from finetune.model_dir import read_run_data

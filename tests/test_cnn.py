@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForImageClassification
 
-import finetune.models  # noqa: F401  (registers lecture-cnn with the transformers Auto classes)
+import finetune.models.cnn  # noqa: F401  (registers lecture-cnn with the transformers Auto classes)
 from conftest import check_ok, dcp_elements_per_file, read_jsonl, run_cli, run_in_process
 
 pytestmark = pytest.mark.slow

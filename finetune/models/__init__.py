@@ -7,12 +7,15 @@ Nothing here knows about training, sharding, devices or tasks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, GPT2Config
 
 from finetune.errors import UsageError
-from finetune.models.cnn import LectureCNN, LectureCNNConfig
+
+if TYPE_CHECKING:  # the model code (transformers' and the CNN's) is imported where a model is built
+    from transformers import PretrainedConfig, PreTrainedModel
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
@@ -21,8 +24,10 @@ def gpt2_config(shape: dict, bos_token_id: int, eos_token_id: int) -> GPT2Config
     return GPT2Config(**shape, **NO_DROPOUT, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
 
-def build_gpt2(shape: dict, bos_token_id: int, eos_token_id: int) -> PreTrainedModel:
-    return GPT2LMHeadModel(gpt2_config(shape, bos_token_id, eos_token_id))
+def build_gpt2(config: GPT2Config) -> PreTrainedModel:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(config)
 
 
 def placeholder_model(config: PretrainedConfig, auto_class, dtype: torch.dtype,
@@ -78,6 +83,8 @@ def fuse_activations(model: torch.nn.Module) -> int:
 
 
 def build_cnn(shape: dict) -> PreTrainedModel:
+    from finetune.models.cnn import LectureCNN, LectureCNNConfig
+
     return LectureCNN(LectureCNNConfig(**shape))
 
 

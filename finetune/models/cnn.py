@@ -16,21 +16,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoModelForImageClassification, PretrainedConfig, PreTrainedModel)
+from transformers import AutoModelForImageClassification, PreTrainedModel
 from transformers.modeling_outputs import ImageClassifierOutput
 
-
-class LectureCNNConfig(PretrainedConfig):
-    model_type = "lecture-cnn"
-
-    def __init__(self, image_size: int = 28, num_channels: int = 1, conv_channels: tuple[int, int] = (8, 16),
-                 kernel_sizes: tuple[int, int] = (3, 5), hidden_size: int = 64, num_labels: int = 10, **kwargs):
-        self.image_size = image_size
-        self.num_channels = num_channels
-        self.conv_channels = list(conv_channels)
-        self.kernel_sizes = list(kernel_sizes)
-        self.hidden_size = hidden_size
-        super().__init__(num_labels=num_labels, **kwargs)
+from finetune.models.cnn_config import LectureCNNConfig
 
 
 def _cnn_stack(config: LectureCNNConfig, kernel_size: int) -> nn.Sequential:
@@ -86,5 +75,4 @@ class LectureCNN(PreTrainedModel):
         return self.forward(pixel_values).logits.float().softmax(dim=-1)
 
 
-AutoConfig.register(LectureCNNConfig.model_type, LectureCNNConfig, exist_ok=True)
 AutoModelForImageClassification.register(LectureCNNConfig, LectureCNN, exist_ok=True)

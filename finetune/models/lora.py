@@ -17,10 +17,14 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
 
 from finetune.errors import UsageError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # peft imports torchao wherever it is installed (the qlora extra). Without CUDA, torchao logs each of its
 # CUDA kernels failing to load and torch warns about enums it registers; neither concerns NF4, plain torch code.

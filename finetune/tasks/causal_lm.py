@@ -180,7 +180,7 @@ class CausalLM(Task):
             if not weights_here:
                 return models.placeholder_model(config, self.entry.auto(), dtype, trust_remote_code=False)
             set_seed(self.cfg.seed)
-            return models.GPT2LMHeadModel(config).to(dtype)
+            return models.build_gpt2(config).to(dtype)
         return self.pretrained_model(weights_here)
 
     def _with_adapters(self, model: PreTrainedModel, accelerator: Accelerator, record_base: bool) -> PreTrainedModel:
