@@ -373,7 +373,8 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
                                               trust_remote_code=False)
     blocks = tokenize_and_group(load_raw_text(args.dataset, "text", 0.05, 42), tokenizer, args.block_size)["train"]
     torch.manual_seed(42)
-    model = (models.build_gpt2(models.gpt2_config(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id)) if preset
+    config = models.gpt2_config(GPT2_PRESETS[args.model], tokenizer.bos_token_id, tokenizer.eos_token_id) if preset else None
+    model = (models.build_gpt2(config) if preset
              else AutoModelForCausalLM.from_pretrained(model_source(args.model), dtype=torch.float32,
                                                        trust_remote_code=False))
 
