@@ -5,6 +5,7 @@ exports against peft's own loading and merging, and the refusals."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -324,6 +325,22 @@ def test_qlora_resume_is_exact(qlora_run, tmp_path, env):
     for row in rows:
         assert row["loss"] == pytest.approx(full[row["step"]]["loss"], abs=1e-6)
         assert row["grad_norm"] == pytest.approx(full[row["step"]]["grad_norm"], rel=1e-5)
+
+
+def test_qlora_under_bf16_mixed_precision_has_finite_losses(tmp_path, env, small_corpus, gpt2_dir):
+    """fsdp.yaml's own mixed precision (what a GPU run uses): FSDP2 gathers the
+    4-bit weights as they are and they dequantise to bf16 inside each layer.
+    6 steps: bf16 matmuls are slow on CPUs without bf16 instructions."""
+    pytest.importorskip("torchao")
+    run_dir = tmp_path / "run"
+    check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
+                      "--max_steps", "6", "--max_eval_batches", "1", "--output_dir", str(run_dir)],
+                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="bf16"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mixed_precision"] == "bf16" and summary["peft"] == "qlora"
+    rows = train_rows(run_dir)
+    assert len(rows) == 6
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
 
 
 def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
