@@ -16,7 +16,6 @@ import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,8 +45,8 @@ def check_supported_here(peft: str) -> None:
         return
     if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
         raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use --peft lora")
-    lora_config(1, 1.0, 0.0, "all-linear")  # peft installed
-    nf4_tensor_class()
+    lora_config(1, 1.0, 0.0, "all-linear")  # one line when peft is missing...
+    nf4_tensor_class()  # ...or torchao
 
 
 @contextmanager
@@ -182,6 +181,7 @@ NF4_BYTES_PER_WEIGHT = (4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_SCALER_BLOCK))
 
 
 def nf4_tensor_class():
+    """torchao's NF4Tensor, or one line saying how to install it."""
     try:
         try:
             from torchao.quantization import NF4Tensor
