@@ -462,8 +462,9 @@ def write_final_model(run: Run) -> Path:
     output file at a time (`--max_shard_size`): the ranks gather the tensors
     of each file as it is written, so no rank ever holds the whole state. A
     LoRA run's is the base with the adapters merged in, tensor by tensor, as
-    `merge_and_unload` adds them. Under FSDP1 and ZeRO-3, Accelerate gathers
-    the whole state on the main process first."""
+    `merge_and_unload` adds them; a QLoRA run's merges them into its base
+    reloaded from --model, not into the 4-bit copy. Under FSDP1 and ZeRO-3,
+    Accelerate gathers the whole state on the main process first."""
     acc = run.accelerator
     final_dir = run.run_dir / "final"
     live_model = acc.unwrap_model(run.model)

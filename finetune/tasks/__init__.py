@@ -44,9 +44,10 @@ class TaskEntry:
         return bool(self.model_class_names(config))
 
     def model_class_names(self, config) -> tuple[str, ...]:
-        """The name of the class this task's Auto class builds for this HF
-        config, read from transformers' table of names: no model code is
-        imported (1.1 s here), so that reading a model dir stays quick."""
+        """The names of the classes this task's Auto class builds for this HF
+        config (none when it builds none), read from transformers' tables of
+        names: no model code is imported (1.1 s here), so that reading a model
+        dir stays quick."""
         if config.model_type == CNN_MODEL_TYPE:  # ours: registered with the Auto classes by finetune.models.cnn
             return ("LectureCNN",) if self.name == "image-classification" else ()
         from transformers.models.auto import configuration_auto, modeling_auto
