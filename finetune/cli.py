@@ -469,9 +469,10 @@ def keep_torchao_out_of_transformers() -> None:
 
 
 def run_command(argv: list[str] | None) -> int:
-    keep_torchao_out_of_transformers()
     try:
         args = parse(argv)
+        if args.func is not cmd_configs:  # the one command that never imports transformers (nor `--help`)
+            keep_torchao_out_of_transformers()
         return args.func(args)
     except (UsageError, NotDistributed) as e:
         if is_rank_zero():

@@ -697,3 +697,21 @@ print("not reached")
     assert proc.returncode == code, proc.stderr[-2000:]
     assert proc.stdout.endswith("hook ran\n") and "not reached" not in proc.stdout
     assert ("error:" in proc.stderr) == (code != 0)
+
+
+def test_help_and_configs_import_no_transformers():
+    """`finetune --help` and `finetune configs` stay instant: nothing imports transformers for them."""
+    script = """
+import contextlib, io, sys
+from finetune.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["configs"]) == 0
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass
+print("transformers" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "False"

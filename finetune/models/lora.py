@@ -45,8 +45,8 @@ def check_supported_here(peft: str) -> None:
         return
     if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
         raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use --peft lora")
-    lora_config(1, 1.0, 0.0, "all-linear")  # one line when peft is missing...
-    nf4_tensor_class()  # ...or torchao
+    require_peft("qlora")
+    nf4_tensor_class()
 
 
 @contextmanager
@@ -59,13 +59,19 @@ def quiet_peft():
         yield
 
 
+def require_peft(method: str) -> None:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--peft {method} needs the peft package: pip install 'finetune[{method}]' "
+                         "(or pip install peft)") from None
+
+
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
     """peft's LoraConfig for our options: `all-linear` (every linear layer but
     the output layer, peft's shorthand) or comma-separated module names."""
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise UsageError("--peft lora needs the peft package: pip install 'finetune[lora]' (or pip install peft)") from None
+    require_peft("lora")
+    from peft import LoraConfig
 
     targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",") if n.strip()]
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")

@@ -91,10 +91,10 @@ def task_for_config(config) -> TaskEntry | None:
     serve several tasks (GPT2Config: a causal LM, a sequence classifier, ...),
     so the architecture `save_pretrained` recorded decides; without one, the
     first task whose Auto class builds the config."""
-    able = [entry for entry in REGISTRY.values() if entry.builds(config)]
+    able = [(entry, names) for entry in REGISTRY.values() if (names := entry.model_class_names(config))]
     saved_as = set(getattr(config, "architectures", None) or ())
-    return next((entry for entry in able if saved_as.intersection(entry.model_class_names(config))), None) or \
-        next(iter(able), None)
+    return next((entry for entry, names in able if saved_as.intersection(names)), None) or \
+        next((entry for entry, _ in able), None)
 
 
 def check_preset_task(model: str, task: str) -> None:
