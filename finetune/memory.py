@@ -169,7 +169,8 @@ def read_launch_config(path: str | None) -> LaunchConfig:
     else:
         strategy = "FSDP full shard"
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
-                        mixed_precision="no" if launch.get("mixed_precision") == "no" else "bf16", strategy=strategy,
+                        # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)
+                        mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16", strategy=strategy,
                         ram_efficient_loading=strategy != "DDP" and bool(fsdp.get("fsdp_cpu_ram_efficient_loading")))
 
 

@@ -162,11 +162,9 @@ def readme_commands() -> list[str]:
 @pytest.fixture(scope="session")
 def readme_workdir(tmp_path_factory, env) -> Path:
     """Runs the README's commands in order in a fresh dir, as a user would copy them:
-    `accelerate launch` for real (in fp32 on CPUs without native bf16, as the
-    quickstart does), `finetune ...` through the console script's `main`."""
+    `accelerate launch` for real, with nothing added but a free port (so in the
+    config's bf16 on any CPU), `finetune ...` through the console script's `main`."""
     from contextlib import chdir
-
-    from finetune.distributed import cpu_has_native_bf16
 
     work = tmp_path_factory.mktemp("readme")
     (work / "accelerate_configs").symlink_to(CONFIGS)
@@ -176,8 +174,6 @@ def readme_workdir(tmp_path_factory, env) -> Path:
         words = shlex.split(command)
         if words[:2] == ["accelerate", "launch"]:
             extra = ["--main_process_port", str(free_port())]
-            if not cpu_has_native_bf16() and "--mixed_precision" not in words:
-                extra += ["--mixed_precision", "no"]
             proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *extra, *words[2:]],
                                   env=env, cwd=work, capture_output=True, text=True, timeout=300)
         elif words[:2] == ["finetune", "resume"]:  # relaunches itself: a process of its own, in the tests' env

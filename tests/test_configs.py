@@ -4,11 +4,14 @@ exports with the expected sharding; what it cannot is refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
 
@@ -89,16 +92,62 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
     assert [r["step"] for r in train_rows(ac_run)] == [1, 2, 3, 4] and summary(ac_run)["distributed_type"] == "FSDP"
 
 
-def test_gpu_only_config_under_accelerate_launch(tmp_path, env, small_corpus):
-    """Launched for real: each rank stops with the same line before writing
-    anything. (The launcher itself then reports the failed ranks, exit 1.)"""
+# Where each shipped config is launched exactly as its header documents it. The
+# test below runs those with a `[OPTIONS]` line; the others are run so elsewhere.
+DOCUMENTED_ELSEWHERE = {
+    "fsdp.yaml": "test_readme (the README's commands, as written)",
+    "fsdp_cnn.yaml": "test_cnn (the README's CNN command)",
+    "multinode.yaml": "test_multinode_on_one_machine",
+    "zero1.yaml": "test_deepspeed's zero_runs", "zero2.yaml": "test_deepspeed's zero_runs",
+    "zero3.yaml": "test_deepspeed's zero_runs",
+}
+GPU_ONLY = {"fsdp1.yaml": "fsdp_version: 1 (FSDP1) needs a GPU",
+            "fsdp_offload.yaml": "fsdp_offload_params: true (CPU offload) needs a GPU"}
+
+
+def documented_launch(config: str) -> list[str]:
+    """The `accelerate launch` line of the config's header comment, as words."""
+    header = [line[1:].strip() for line in (CONFIGS / config).read_text().splitlines() if line.startswith("#")]
+    lines = [line for line in header if line.startswith(f"accelerate launch --config_file accelerate_configs/{config}")]
+    assert len(lines) == 1, f"{config}: its header documents {len(lines)} launch lines"
+    return lines[0].split()
+
+
+def test_every_config_is_launched_as_documented():
+    shipped = {p.name for p in CONFIGS.glob("*.yaml")}
+    documented_here = {config for config in shipped if "[OPTIONS]" in (CONFIGS / config).read_text()}
+    assert shipped == documented_here | set(DOCUMENTED_ELSEWHERE), shipped ^ (documented_here | set(DOCUMENTED_ELSEWHERE))
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml") if p.name not in DOCUMENTED_ELSEWHERE))
+def test_config_runs_as_its_header_documents(config, tmp_path, env, small_corpus):
+    """The header's command, [OPTIONS] filled in, nothing else added but a free
+    port: the config's own precision (bf16 for most, on any CPU) and process
+    count. A GPU-only config stops every rank with the same line on a CPU machine."""
+    words = documented_launch(config)
+    assert words[-1] == "[OPTIONS]"
     run_dir = tmp_path / "run"
-    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)], env,
-                   config="fsdp_offload.yaml")
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors and "fsdp_offload_params: true (CPU offload) needs a GPU" in errors[0], proc.stderr[-2000:]
-    assert not run_dir.exists()
+    options = [*common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           *words[2:-1], *options]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    settings = yaml.safe_load((CONFIGS / config).read_text())
+    if config in GPU_ONLY and not torch.cuda.is_available():
+        assert proc.returncode != 0
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert errors and GPU_ONLY[config] in errors[0], proc.stderr[-2000:]
+        assert not run_dir.exists()
+        return
+    check_ok(proc)
+    facts = summary(run_dir)
+    assert facts["mixed_precision"] == settings.get("mixed_precision", "no")
+    assert facts["world_size"] == settings["num_processes"] and facts["steps"] == 2
+    assert all(math.isfinite(r["loss"]) for r in train_rows(run_dir))
+    total, local = facts["total_params"], facts["local_params_per_rank"]
+    if settings["distributed_type"] == "FSDP":
+        assert facts["distributed_type"] == "FSDP" and sum(local) == total and max(local) < total
+    else:
+        assert local == [total] * settings["num_processes"]
 
 
 def test_multinode_on_one_machine(tmp_path, env, small_corpus):
@@ -110,7 +159,7 @@ def test_multinode_on_one_machine(tmp_path, env, small_corpus):
     for machine_rank in ("0", "1"):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multinode.yaml"),
                "--num_machines", "2", "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1",
-               "--main_process_port", port, "--num_processes", "2", "--mixed_precision", "no",
+               "--main_process_port", port, "--num_processes", "2",
                "-m", "finetune", "train", *common_args(small_corpus), "--max_steps", "3",
                "--output_dir", str(run_dir)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -120,6 +169,7 @@ def test_multinode_on_one_machine(tmp_path, env, small_corpus):
         assert p.returncode == 0, err[-3000:]
     facts = summary(run_dir)
     assert facts["distributed_type"] == "FSDP" and facts["world_size"] == 2
+    assert facts["mixed_precision"] == "bf16"  # the config's own, as documented
     assert sum(facts["local_params_per_rank"]) == facts["total_params"]
     assert all(n < facts["total_params"] for n in facts["local_params_per_rank"])
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_000003" / "pytorch_model_fsdp_0").glob("*.distcp"))

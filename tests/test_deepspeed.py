@@ -33,12 +33,13 @@ def summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
-    """One fp32 run per stage, 5 steps with 2 micro-batches each, a checkpoint at step 3 and at the end."""
+    """One run per stage, launched as the config's header documents it (its default precision: fp32),
+    5 steps with 2 micro-batches each, a checkpoint at step 3 and at the end."""
     runs = {}
     for stage in (1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"zero{stage}") / "run"
         check_ok(run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)], env,
-                         config=f"zero{stage}.yaml", mixed_precision="no"))
+                         config=f"zero{stage}.yaml"))
         runs[stage] = run_dir
     return runs
 
@@ -47,6 +48,7 @@ def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
 def test_each_stage_partitions_what_it_promises(zero_runs, stage):
     facts = summary(zero_runs[stage])
     assert facts["distributed_type"] == "DEEPSPEED" and facts["zero_stage"] == stage and facts["world_size"] == 2
+    assert facts["mixed_precision"] == "no"  # the config's default: fp32 unless the launch line asks for bf16
     total = facts["total_params"]
     held = facts["state_elements_per_rank"]
 
@@ -96,7 +98,7 @@ def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_resume_continues_exactly(zero_runs, tmp_path, env, stage):
     original = zero_runs[stage]
     resumed = interrupted_copy(original, CHECKPOINT_AT, tmp_path / "resumed", metrics=True)
-    proc = run_cli(["resume", str(resumed)], env, config=f"zero{stage}.yaml", mixed_precision="no")
+    proc = run_cli(["resume", str(resumed)], env, config=f"zero{stage}.yaml")
     check_ok(proc)
     assert f"resumed from {resumed / 'checkpoints' / f'step_{CHECKPOINT_AT:06d}'}" in proc.stdout
     after = {r["step"]: r["loss"] for r in train_rows(resumed)}
@@ -138,8 +140,7 @@ def test_deepspeed_checkpoint_on_another_world_size(zero_runs, tmp_path, env):
     run_dir = tmp_path / "run"
     shutil.copytree(zero_runs[2], run_dir)
     before = snapshot(run_dir)
-    proc = run_cli(["resume", str(run_dir), "--max_steps", "7"], env, nproc=1, config="zero2.yaml",
-                   mixed_precision="no")
+    proc = run_cli(["resume", str(run_dir), "--max_steps", "7"], env, nproc=1, config="zero2.yaml")
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "written by 2 DeepSpeed rank(s) and this run has 1" in errors[0], proc.stderr[-2000:]
@@ -168,7 +169,7 @@ def test_the_memory_planner_predicts_each_stages_state(zero_runs, stage):
     from finetune.memory import estimate, model_shape, read_launch_config
 
     launch = read_launch_config(str(config_path(f"zero{stage}")))
-    assert launch.strategy == f"DeepSpeed ZeRO-{stage}"
-    rows = {e.strategy: e for e in estimate(model_shape("tiny-gpt2"), 2, 4, 64, mixed_precision="no")}
+    assert launch.strategy == f"DeepSpeed ZeRO-{stage}" and launch.mixed_precision == "no"
+    rows = {e.strategy: e for e in estimate(model_shape("tiny-gpt2"), 2, 4, 64, mixed_precision=launch.mixed_precision)}
     measured = summary(zero_runs[stage])["state_bytes_per_rank"]
     assert rows[launch.strategy].state == pytest.approx(max(measured), rel=0.01)
