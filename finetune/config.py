@@ -177,8 +177,10 @@ class TrainConfig:
     log_every: int = _opt(1, "write a metrics row (and, with plain logs, a console line) every N optimizer steps")
     log_format: str = _opt("auto", "bar (a progress bar), plain (one line per logged step and per evaluation), or "
                            "auto: bar on a terminal, plain elsewhere or with TQDM_DISABLE=1", choices=LOG_FORMATS)
-    report_to: str = _opt("jsonl", "where metrics go, through Accelerate's trackers: jsonl (RUN_DIR/metrics.jsonl), "
-                          "tensorboard (RUN_DIR/tensorboard), both as jsonl,tensorboard, or none")
+    report_to: str = _opt("jsonl", "where metrics go, through Accelerate's trackers, one or more comma-separated: "
+                          "jsonl (RUN_DIR/metrics.jsonl), tensorboard (RUN_DIR/tensorboard), wandb (a W&B run named "
+                          "after the run dir; WANDB_MODE and friends apply), mlflow (an MLflow run; "
+                          "MLFLOW_TRACKING_URI applies), or none")
     eval_every: int = _opt(0, "evaluate on the validation split every N steps (0 = only at start and end)")
     eval_every_epochs: int = _opt(0, "also evaluate after every N epochs (0 = not per epoch)")
     max_eval_batches: int = _opt(0, "cap evaluation at N batches per process (0 = the whole validation split)")

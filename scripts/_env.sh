@@ -1,5 +1,7 @@
 # Sourced by quickstart.sh and test.sh: makes (or reuses) a virtual environment
-# with torch pinned first, then this package and its dependencies.
+# with torch pinned first, then this package, its dependencies and the extras
+# the sourcing script names (each script installs only what it needs).
+#   FINETUNE_EXTRAS         set by the sourcing script: "gguf" (quickstart) or "test" (the suite)
 #   FINETUNE_VENV           where the venv lives (default: .venv in the repo)
 #   FINETUNE_TORCH_VERSION  the torch release to install when none is present (default 2.13.0)
 # torch is installed on its own, pinned, so that no other package's range pulls
@@ -25,11 +27,14 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install --disable-pip-version-check -q "torch==$TORCH_VERSION"
 fi
 
-stamp="$VENV/.finetune-deps"
+# One stamp per set of extras: the suite's venv also serves the quickstart, not the reverse.
+extras="${FINETUNE_EXTRAS:?the sourcing script names its extras}"
+stamp="$VENV/.finetune-deps-$extras"
 want="$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import finetune" 2>/dev/null; then
-    echo "[setup] installing finetune and its dependencies"
-    python -m pip install --disable-pip-version-check -q -e "$REPO[test]"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat "$VENV/.finetune-deps-test" 2>/dev/null)" != "$want" ] \
+        || ! python -c "import finetune" 2>/dev/null; then
+    echo "[setup] installing finetune and its dependencies, with the extras [$extras]"
+    python -m pip install --disable-pip-version-check -q -e "$REPO[$extras]"
     echo "$want" > "$stamp"
 fi
 cd "$REPO"

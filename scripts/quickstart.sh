@@ -8,13 +8,9 @@
 # base and fine-tuned answers to a held-out question.
 # Uses all GPUs where there are GPUs, else 2 processes on CPU. Extra arguments
 # go to `finetune train` (e.g. --max_steps 10).
-source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+# The main job's packages and the gguf extra (to read the model file), nothing of the suite's.
+FINETUNE_EXTRAS=gguf source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export TOKENIZERS_PARALLELISM=false
-
-if ! python -c "import gguf" 2>/dev/null; then
-    echo "[setup] installing the gguf extra"
-    python -m pip install --disable-pip-version-check -q -e "$REPO[gguf]"
-fi
 model=$(PYTHON=python bash scripts/fetch_smollm2.sh)
 
 launch=(--config_file accelerate_configs/fsdp.yaml)

@@ -73,6 +73,14 @@ def test_train_help_lists_every_option_with_its_default():
     assert out.count("(default:") == len(config_fields())
 
 
+def test_report_to_help_names_every_tracker_it_accepts():
+    from finetune.config import REPORTERS
+
+    out = _cli("train", "--help").stdout
+    text = " ".join(out[out.index("  --report_to STR"):].split("  --")[1].split())  # its help, wrapped lines joined
+    assert all(name in text for name in REPORTERS), text
+
+
 def test_help_is_grouped_and_offers_only_what_each_command_accepts():
     from finetune.cli import OPTION_GROUPS
 
