@@ -1,18 +1,18 @@
 """Sharded checkpoints: when to save, how to save atomically, what to keep,
 how to find one, check it, and load it (also on another number of ranks).
 
-Each checkpoint is `accelerator.save_state` output (model and optimizer as DCP
-shards under FSDP, DeepSpeed's own partition files under `pytorch_model/`
-with ZeRO, scheduler, per-rank RNG states) plus
-`training_progress.json` and the run config. It is written under a temporary
+Each checkpoint is `accelerator.save_state` output (model and optimizer in
+the layout of the run's backend, finetune/backends: DCP shards under FSDP;
+scheduler, per-rank RNG states) plus `training_progress.json` and the run
+config. It is written under a temporary
 name and renamed only after every rank has finished writing, so a directory
 named `step_NNNNNN` is always complete.
 
 Across a change of world size, DCP reshards the model and the optimizer
 moments, and the step, LR schedule and epoch carry over exactly. The
 data position carries over to within one global batch (the epoch's sample
-order is the same, the cut between ranks is not). DeepSpeed checkpoints
-resume on the world size that wrote them only. Ranks that did not exist
+order is the same, the cut between ranks is not), where the backend can
+reshard (`check_resume_world_size`). Ranks that did not exist
 when the checkpoint was written get a fresh RNG stream seeded from
 (seed, step, rank).
 """
@@ -23,32 +23,30 @@ import json
 import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
-from safetensors import SafetensorError, safe_open
+from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
 
+from finetune.backends import for_checkpoint
+from finetune.backends.base import Backend
+from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
-from finetune.distributed import WriteFailed, canonical_name, on_every_rank, rank_warning
 from finetune.errors import UsageError
 from finetune.models import lora
 from finetune.model_dir import TIED_FILE, tied_duplicates, write_model_files
-from finetune.report import say
-from finetune.verify import (MANIFEST, check_dcp_dir, check_pickled_file, deepspeed_loads_weights_only,
-                             deepspeed_pickled_classes, verify_manifest, write_manifest)
+from finetune.parameters import canonical_name
+from finetune.report import rank_warning, say
+from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
 
 
 PROGRESS_FILE = "training_progress.json"
-MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
-OPTIMIZER_SHARDS_DIR = "optimizer_0"
 MODEL_CONFIG_DIR = "model_config"
-DEEPSPEED_DIR = "pytorch_model"  # what DeepSpeed's save_checkpoint writes under Accelerate's save_state
 PREFIX = "step_"
 FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
@@ -133,82 +131,23 @@ def saved_config(checkpoint_dir: Path) -> dict:
 
 def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
     """Everything a resume reads, checked before anything is loaded: the
-    manifest's checksums, the progress, the DCP shards (their metadata and
-    non-tensor items read safely), the optimizer, scheduler and RNG files."""
+    manifest's checksums, the progress, the model and optimizer in the layout
+    of the backend that wrote them (DCP shards: their metadata and non-tensor
+    items read safely), the scheduler and RNG files."""
     verify_manifest(checkpoint_dir)
     progress = read_progress(checkpoint_dir)
-    for name in (MODEL_SHARDS_DIR, OPTIMIZER_SHARDS_DIR):
-        if (checkpoint_dir / name).is_dir():
-            check_dcp_dir(checkpoint_dir / name)
-    if layout(checkpoint_dir) == "DeepSpeed":
-        check_deepspeed_files(checkpoint_dir)
-    elif not (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
-        check_pickled_file(checkpoint_dir / "optimizer.bin")  # the unsharded layout
+    for_checkpoint(checkpoint_dir).check_checkpoint_files(checkpoint_dir)
     check_pickled_file(checkpoint_dir / "scheduler.bin")
     for rank in range(progress.world_size):
         check_pickled_file(checkpoint_dir / f"random_states_{rank}.pkl")
     return progress
 
 
-def layout(checkpoint_dir: Path) -> str:
-    """How a checkpoint stores the model: FSDP's DCP shards, DeepSpeed's files, or one file."""
-    if (checkpoint_dir / MODEL_SHARDS_DIR).is_dir():
-        return "FSDP"
-    return "DeepSpeed" if (checkpoint_dir / DEEPSPEED_DIR).is_dir() else "unsharded"
-
-
-def run_layout(accelerator: Accelerator) -> str:
-    """The layout this run writes and reads."""
-    return {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(accelerator.distributed_type,
-                                                                                     "unsharded")
-
-
-def check_deepspeed_files(checkpoint_dir: Path) -> list[Path]:
-    """DeepSpeed's files, each loadable with weights_only and DeepSpeed's classes."""
-    try:
-        allowed = deepspeed_pickled_classes()
-    except ImportError:
-        raise UsageError(f"{checkpoint_dir} is a DeepSpeed checkpoint and DeepSpeed is not installed; "
-                         "`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19'`") from None
-    files = sorted((checkpoint_dir / DEEPSPEED_DIR).glob("*.pt"))
-    if not any(f.name.endswith("model_states.pt") for f in files):
-        raise UsageError(f"{checkpoint_dir / DEEPSPEED_DIR} holds no DeepSpeed model states; the checkpoint is "
-                         "incomplete, resume from an earlier one")
-    for path in files:
-        check_pickled_file(path, allowed)
-    return files
-
-
-def saved_shapes(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes stored in a checkpoint, without loading any tensor
-    (a DeepSpeed checkpoint's files were checked by verify_checkpoint)."""
-    if layout(checkpoint_dir) == "DeepSpeed":
-        states = sorted((checkpoint_dir / DEEPSPEED_DIR).glob("*model_states.pt"))[0]
-        with torch.serialization.safe_globals(list(deepspeed_pickled_classes())):
-            saved = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
-        groups = [*(saved.get("param_shapes") or []), saved.get("frozen_param_shapes") or {}]
-        return {name: tuple(shape) for group in groups for name, shape in group.items()}
-    shard_dir = checkpoint_dir / MODEL_SHARDS_DIR
-    if shard_dir.is_dir():
-        metadata = check_dcp_dir(shard_dir)
-        return {fqn.removeprefix("model."): tuple(meta.size) for fqn, meta in metadata.state_dict_metadata.items()
-                if hasattr(meta, "size")}
-    weights = checkpoint_dir / "model.safetensors"
-    if weights.is_file():
-        try:
-            with safe_open(str(weights), "pt") as f:
-                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        except (OSError, SafetensorError) as e:
-            raise UsageError(f"{weights} is not readable safetensors ({str(e).strip().splitlines()[0][:80]}); the "
-                             "checkpoint is damaged, resume from an earlier one") from None
-    raise UsageError(f"{checkpoint_dir} holds no model weights ({MODEL_SHARDS_DIR}/ or model.safetensors); "
-                     "resume from another checkpoint")
-
-
-def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, this_run: str) -> None:
+def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, backend: Backend) -> None:
     """The checkpoint was written for this architecture and size, and in the
-    layout this run reads (FSDP shards, DeepSpeed's files, or one file)."""
-    stored = saved_shapes(checkpoint_dir)
+    layout this run's backend reads."""
+    written = for_checkpoint(checkpoint_dir)
+    stored = written.saved_shapes(checkpoint_dir)
     for live_name, param in model.named_parameters():
         name = canonical_name(live_name)
         if name not in stored and not param.requires_grad:
@@ -220,16 +159,12 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, this_run: str
         if shape != stored[name]:
             raise UsageError(f"checkpoint {checkpoint_dir} does not fit the model: {name} is {list(stored[name])} "
                              f"in the checkpoint and {list(shape)} in the model; resume with the run's own --model")
-    written = layout(checkpoint_dir)
-    if written == this_run:
+    if written.layout == backend.layout:
         return
-    config = {"FSDP": "fsdp", "DeepSpeed": "zero2", "unsharded": "ddp"}[written]
-    written_as = {"FSDP": "under FSDP", "DeepSpeed": "under DeepSpeed", "unsharded": "without sharding"}[written]
-    run_is = {"FSDP": "an FSDP run", "DeepSpeed": "a DeepSpeed run", "unsharded": "not sharded"}[this_run]
-    raise UsageError(f"{checkpoint_dir} was written {written_as} and this run is {run_is}; resume it with "
-                     f"`finetune resume {checkpoint_dir.parent.parent}` (relaunched as it was launched) or under the "
-                     f"accelerate config it was trained with (e.g. `--config_file $(finetune configs --path {config})`), "
-                     "or export it and start from the export with --model")
+    raise UsageError(f"{checkpoint_dir} was written {written.written_as} and this run is {backend.run_is}; resume it "
+                     f"with `finetune resume {checkpoint_dir.parent.parent}` (relaunched as it was launched) or under "
+                     f"the accelerate config it was trained with (e.g. `--config_file $(finetune configs --path "
+                     f"{written.example_config})`), or export it and start from the export with --model")
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -314,8 +249,9 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
-                 base_record: dict | None = None):
+                 base_record: dict | None = None, backend: Backend | None = None):
         self.accelerator = accelerator
+        self.backend = backend or Backend()  # the layout this run writes and reads
         unwrapped = accelerator.unwrap_model(model)
         self.stored = StoredState(unwrapped)
         # LoRA runs: the adapters' peft config and which base they belong to, written next to the HF config.
@@ -435,18 +371,13 @@ class CheckpointManager:
         else:
             say(acc, f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
                       "for damage")
-        check_compatible(checkpoint_dir, acc.unwrap_model(model), run_layout(acc))
-        if layout(checkpoint_dir) == "DeepSpeed" and progress.world_size != acc.num_processes:
-            raise UsageError(f"{checkpoint_dir} was written by {progress.world_size} DeepSpeed rank(s) and this run has "
-                             f"{acc.num_processes}: DeepSpeed checkpoints resume on the same number of processes; "
-                             f"relaunch with --num_processes {progress.world_size}, or export it and start from the "
-                             "export with --model")
+        check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
+        self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc)
         if self.base_record is not None:
             recorded = lora.read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / lora.BASE_RECORD)
             lora.check_same_base(recorded, self.base_record, checkpoint_dir)
         start = time.perf_counter()
-        deepspeed_safely = deepspeed_loads_weights_only() if layout(checkpoint_dir) == "DeepSpeed" else nullcontext()
-        with self.stored.applied(), deepspeed_safely:
+        with self.stored.applied(), self.backend.loading_checkpoint():
             acc.load_state(str(checkpoint_dir))
         say(acc, f"loaded checkpoint {checkpoint_dir} in {time.perf_counter() - start:.2f} s")
         if progress.world_size != acc.num_processes:

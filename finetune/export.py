@@ -1,39 +1,34 @@
-"""`finetune export`: merge the DCP shards of a checkpoint (any number of
-ranks), or DeepSpeed's partitions, in one process on CPU, with no process
-group, long after training, and write them as a Hugging Face model dir
-(model_dir.py).
+"""`finetune export`: merge the model of a checkpoint (the sharded layout of
+any backend, written by any number of ranks) in one process on CPU, with no
+process group, long after training, and write it as a Hugging Face model dir
+(model_dir.py). Each backend reads its own layout (finetune/backends).
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
-from finetune.checkpoint import (DEEPSPEED_DIR, MODEL_CONFIG_DIR, MODEL_SHARDS_DIR, check_deepspeed_files,
-                                 complete_checkpoints, read_progress, saved_config)
+from finetune.backends import REGISTRY as BACKENDS, weights_in
+from finetune.backends.base import Backend
+from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError
 from finetune.model_dir import Weights, atomic_dir, check_output_dir, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
-from finetune.shard_loading import SAFETENSORS_DTYPES
 from finetune.tasks import task_for_config
-from finetune.verify import check_dcp_dir, deepspeed_loads_weights_only, verify_manifest
+from finetune.verify import verify_manifest
 
 
-def find_model_weights(path: str | Path) -> Path:
-    """A run dir means its newest complete checkpoint; a checkpoint dir its
-    `pytorch_model_fsdp_0` (DeepSpeed's `pytorch_model`, or `model.safetensors`
-    for unsharded runs)."""
+def find_model_weights(path: str | Path) -> tuple[Backend, Path]:
+    """A run dir means its newest complete checkpoint; a checkpoint dir the
+    model weights in it, with the backend whose layout they are in."""
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"{path} does not exist; pass a run dir or a checkpoints/step_NNNNNN dir")
@@ -42,61 +37,11 @@ def find_model_weights(path: str | Path) -> Path:
         if not found:
             raise UsageError(f"run dir {path} holds no complete checkpoint; pass a run that saved one")
         path = found[-1]
-    if (path / DEEPSPEED_DIR).is_dir():
-        return path / DEEPSPEED_DIR
-    for candidate in (path / MODEL_SHARDS_DIR, path / "model.safetensors", path):
-        if candidate.name == "model.safetensors" and candidate.is_file():
-            return candidate
-        if candidate.is_dir() and (candidate / ".metadata").is_file():
-            return candidate
-    raise UsageError(f"{path} holds no checkpoint ({MODEL_SHARDS_DIR}/ with DCP shards, {DEEPSPEED_DIR}/ from "
-                     "DeepSpeed, or model.safetensors); "
-                     "pass a run dir or a checkpoints/step_NNNNNN dir")
-
-
-def checkpoint_weights(weights: Path) -> Weights:
-    """The tensors of a checkpoint's model, read a few at a time: from DCP
-    shards (any number of ranks), only the byte ranges of the tensors asked
-    for, or from a single safetensors file. DeepSpeed's partitions are
-    consolidated whole in memory, in fp32, by DeepSpeed's own zero_to_fp32."""
-    if weights.name == DEEPSPEED_DIR and weights.is_dir():
-        return deepspeed_weights(weights.parent)
-    if weights.is_file():
-        with safe_open(str(weights), "pt") as f:
-            specs = {name: (torch.Size(f.get_slice(name).get_shape()), SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()])
-                     for name in f.keys()}
-
-        def read_file(names: list[str]) -> dict[str, torch.Tensor]:
-            with safe_open(str(weights), "pt") as f:
-                return {name: f.get_tensor(name) for name in names}
-        return Weights(specs, read_file)
-    metadata = check_dcp_dir(weights)  # read without unpickling anything but DCP's metadata
-    tensors = {fqn: meta for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    # Accelerate saves {"model": state_dict}: every key path is ("model", name).
-    paths = metadata.planner_data or {}
-    nested = tensors and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in tensors)
-    fqn_of = {(paths[fqn][1] if nested else fqn): fqn for fqn in tensors}
-
-    def read_shards(names: list[str]) -> dict[str, torch.Tensor]:
-        # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
-        part = {fqn_of[name]: torch.empty(tensors[fqn_of[name]].size, dtype=tensors[fqn_of[name]].properties.dtype)
-                for name in names}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(part, storage_reader=dcp.FileSystemReader(str(weights)),
-                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        return {name: part[fqn_of[name]] for name in names}
-    return Weights({name: (tensors[fqn].size, tensors[fqn].properties.dtype) for name, fqn in fqn_of.items()},
-                   read_shards)
-
-
-def deepspeed_weights(checkpoint_dir: Path) -> Weights:
-    check_deepspeed_files(checkpoint_dir)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with deepspeed_loads_weights_only():
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=DEEPSPEED_DIR)
-    return Weights.in_memory(state_dict)
+    if (found := weights_in(path)) is None:
+        layouts = ", ".join(dict.fromkeys(backend.weights_described for backend in BACKENDS))
+        raise UsageError(f"{path} holds no checkpoint ({layouts}); "
+                         "pass a run dir or a checkpoints/step_NNNNNN dir")
+    return found
 
 
 def check_not_inside(output: Path, source: Path) -> None:
@@ -121,7 +66,7 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
-    weights = find_model_weights(source)
+    backend, weights = find_model_weights(source)
     checkpoint_dir = weights.parent
     # What the export reads, against the checksums the checkpoint recorded (checkpoints without a manifest predate them).
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR))
@@ -148,9 +93,9 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     except OSError:
         generation_config = None
     if adapters and adapter_only:
-        return write_adapter_dir(checkpoint_dir, checkpoint_weights(weights), output)
-    model_weights = (merged_weights(checkpoint_dir, checkpoint_weights(weights), tokenizer, base_model) if adapters
-                     else checkpoint_weights(weights))
+        return write_adapter_dir(checkpoint_dir, backend.export_weights(weights), output)
+    model_weights = (merged_weights(checkpoint_dir, backend.export_weights(weights), tokenizer, base_model) if adapters
+                     else backend.export_weights(weights))
     tied = read_tied(model_files) if config_source == str(model_files) and not adapters else None
     try:
         return write_model_dir(model_weights, config, output, tokenizer=tokenizer, generation_config=generation_config,

@@ -10,7 +10,6 @@ need not depend on that file still being where it was.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -19,10 +18,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from finetune.errors import UsageError
+
+if TYPE_CHECKING:
+    from finetune.backends.base import Backend
 
 # Launcher options that depend on the moment, not on the run: a relaunch picks them afresh.
 NOT_REPLAYED = {"--main_process_port", "--config_file"}
@@ -72,10 +75,10 @@ def without_options(options: list[str], names: set[str]) -> list[str]:
     return kept
 
 
-def record(distributed_type: str, num_processes: int) -> dict:
+def record(distributed_type: str, num_processes: int, backend: Backend) -> dict:
     """What run_config.yaml keeps under `launch`: the distributed type, process
     and machine counts, and under `accelerate launch` its options and the
-    content of its accelerate config."""
+    content of its accelerate config and of the files it names."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
     facts = {"distributed_type": distributed_type, "num_processes": num_processes,
              "num_machines": max(1, num_processes // max(1, local))}
@@ -85,12 +88,8 @@ def record(distributed_type: str, num_processes: int) -> dict:
     options, cwd = found
     config_file = _option(options, "--config_file")
     config = yaml.safe_load((cwd / config_file).read_text()) if config_file else None
-    recorded = {**facts, "launcher_options": without_options(options, NOT_REPLAYED), "accelerate_config": config}
-    # The DeepSpeed JSON the config names, as this process found it (finetune.distributed.find_deepspeed_config).
-    deepspeed_json = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-    if deepspeed_json != "none" and Path(deepspeed_json).is_file():
-        recorded["deepspeed_config"] = json.loads(Path(deepspeed_json).read_text())
-    return recorded
+    return {**facts, "launcher_options": without_options(options, NOT_REPLAYED), "accelerate_config": config,
+            **backend.launch_files()}
 
 
 def under_a_launcher() -> bool:
@@ -117,18 +116,16 @@ def relaunch_command(run_dir: Path, launch: dict, argv: list[str], num_processes
 
 
 def write_recorded_configs(launch: dict, scratch: Path) -> Path:
-    """The recorded accelerate config (and the DeepSpeed JSON it named) as
-    files in `scratch`, not the (maybe moved or edited) originals; returns the
+    """The recorded accelerate config (and the files it named) as files in
+    `scratch`, not the (maybe moved or edited) originals; returns the
     accelerate config's path."""
     config_file = scratch / "accelerate_config.yaml"
     config = launch.get("accelerate_config")
     if config is None:
         return config_file
-    if launch.get("deepspeed_config") is not None:
-        deepspeed_file = scratch / "deepspeed_config.json"
-        deepspeed_file.write_text(json.dumps(launch["deepspeed_config"], indent=2))
-        config = {**config, "deepspeed_config": {**config.get("deepspeed_config", {}),
-                                                 "deepspeed_config_file": str(deepspeed_file)}}
+    from finetune.backends import for_launch_config  # only here: every command imports this module
+
+    config = for_launch_config(config).write_launch_files(launch, config, scratch)
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     return config_file
 

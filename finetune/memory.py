@@ -37,7 +37,6 @@ Host RAM at load and at the final save (`host_ram`), per rank above the runtime:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,45 +44,16 @@ import torch
 import yaml
 from transformers import AutoConfig, GPT2Config
 
+from finetune.backends import REGISTRY as BACKENDS, for_launch_config
+from finetune.backends.base import PlanInputs
 from finetune.errors import UsageError
+from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activation_bytes, cpu_peak_rss,
+                                frozen_bytes)
+from finetune.host_memory import MMAP_THRESHOLD_BYTES
 from finetune.models.gguf import converted_dir, is_gguf
-from finetune.models.lora import NF4_BYTES_PER_WEIGHT
 from finetune.presets import GPT2_PRESETS
+from finetune.shard_loading import OwnShards
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
-
-GIB = 1024**3
-MIB = 1024**2
-
-# glibc's mmap threshold as keep_freed_memory_in_process sets it: smaller
-# allocations come from the heap and are reused, larger ones are unmapped on free.
-MMAP_THRESHOLD_BYTES = 32 * MIB
-
-# Calibrated on fp32 CPU runs (torch 2.13, transformers 5.23, glibc 2.36):
-# tiny-gpt2, the GPT-2 124M shape and a 34 M-parameter Llama, on 1, 2 and 3
-# processes; tests/test_memory_planner.py keeps the prediction within 15%.
-RUNTIME_BYTES = 530 * MIB
-# The heap's high-water mark above the live tensors, in fp32 bytes of the
-# parameters held in tensors below the mmap threshold: on one process their
-# gradients and the optimizer's temporaries pass through it; sharded, also
-# the gathered units and their unsharded gradients. (Sharded it was 3.25 with
-# gloo's own reduce-scatter and all-gather, whose temporaries were whole units;
-# finetune/distributed.py's reduce in place and gather in 4 MB pieces.)
-HEAP_CHURN_ONE_PROCESS = 2.0
-HEAP_CHURN_SHARDED = 0.9
-
-
-@dataclass
-class ModelShape:
-    params: int
-    largest_unit: int   # parameters of the largest FSDP unit (a block, or what the root keeps)
-    layers: int
-    hidden: int
-    vocab: int
-    heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
-    trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
-    four_bit: int = 0     # frozen parameters a QLoRA run holds as NF4
-    largest_tensor: int = 0  # elements of the largest parameter
-    own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
 
 
 def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> ModelShape:
@@ -120,8 +90,6 @@ def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> 
         if four_bit_over:
             four_bit = sum(layer.weight.numel() for layer in lora.adapted_layers(model).values()
                            if lora.nf4_fits(layer.weight.shape, four_bit_over))
-    from finetune.shard_loading import OwnShards  # imports the distributed helpers, which import this module
-
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -155,79 +123,12 @@ def read_launch_config(path: str | None) -> LaunchConfig:
         launch = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise UsageError(f"cannot read --accelerate_config {path} ({e}); pass a YAML file") from None
-    fsdp = launch.get("fsdp_config", {}) or {}
-    if launch.get("distributed_type") == "DEEPSPEED":
-        strategy = f"DeepSpeed ZeRO-{deepspeed_stage(Path(path), launch.get('deepspeed_config') or {})}"
-    elif launch.get("distributed_type") != "FSDP":
-        strategy = "DDP"
-    elif fsdp.get("fsdp_offload_params"):
-        strategy = "FSDP + CPU offload (state in CPU RAM)"
-    elif fsdp.get("fsdp_activation_checkpointing"):
-        strategy = "FSDP + activation checkpointing"
-    elif fsdp.get("fsdp_reshard_after_forward") is False:
-        strategy = "FSDP SHARD_GRAD_OP"
-    else:
-        strategy = "FSDP full shard"
+    backend = for_launch_config(launch)
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
                         # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)
-                        mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16", strategy=strategy,
-                        ram_efficient_loading=strategy != "DDP" and bool(fsdp.get("fsdp_cpu_ram_efficient_loading")))
-
-
-def deepspeed_stage(config_path: Path, deepspeed: dict) -> int:
-    """The ZeRO stage of an accelerate config: from the DeepSpeed JSON it names
-    (next to it, from the working directory, or shipped), else its zero_stage."""
-    import json
-
-    from finetune.launch_configs import CONFIG_DIR
-
-    named = deepspeed.get("deepspeed_config_file")
-    if not named:
-        return int(deepspeed.get("zero_stage", 2))
-    for candidate in (config_path.parent / named, Path(named), CONFIG_DIR / Path(named).name):
-        if candidate.is_file():
-            try:
-                return int(json.loads(candidate.read_text())["zero_optimization"]["stage"])
-            except (ValueError, KeyError, TypeError):
-                break
-    raise UsageError(f"cannot read the ZeRO stage from {named} (named by {config_path}); pass a DeepSpeed JSON with "
-                     "zero_optimization.stage")
-
-
-@dataclass
-class Estimate:
-    strategy: str
-    params: int
-    grads: int
-    optimizer: int
-    gathered: int
-    activations: int
-    peak_rss: int | None = None  # a CPU run's resident set per rank; None where not known
-    no_peak_rss: str = "GPU only"  # what the table says where peak_rss is None
-
-    @property
-    def state(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> int:
-        return self.state + self.gathered + self.activations
-
-
-def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,
-                     checkpointing: bool = False, loss_chunk_size: int = 0) -> int:
-    tokens = batch * block_size
-    per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
-    layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
-    if not loss_chunk_size:
-        # The logits, their fp32 copy and gradient, and the output layer's weight gradient.
-        return (layers + tokens * shape.vocab * (compute_bytes + 4 + 4)
-                + shape.vocab * shape.hidden * compute_bytes)
-    # One chunk's logits, fp32 scores and their gradient at a time, and the
-    # gradients the chunked loss keeps for backward: the hidden states' and the
-    # output layer's (fp32).
-    chunk = min(tokens, loss_chunk_size) * shape.vocab * (compute_bytes + 4 + compute_bytes)
-    return layers + chunk + tokens * shape.hidden * compute_bytes + shape.vocab * shape.hidden * 4
+                        mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16",
+                        strategy=backend.strategy(launch, Path(path)),
+                        ram_efficient_loading=backend.ram_efficient_loading(launch))
 
 
 @dataclass
@@ -274,59 +175,22 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
     n = num_processes
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
-    trained_bytes = 4 if t < p or mixed_precision != "no" else weight_bytes
-    acts = activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size)
-    # Gathered copies: two units (the current one and the prefetched next one).
-    gather_units = min(2 * shape.largest_unit, p) * compute if n > 1 else 0
-    trained = -(-t // n)  # ceil: FSDP pads the last shard
-    weights = frozen_bytes(shape, weight_bytes, n) + trained_bytes * trained
-    grads, moments = trained_bytes * trained, 2 * trained_bytes * trained
-    estimates = [
-        Estimate("DDP", frozen_bytes(shape, weight_bytes) + trained_bytes * t, trained_bytes * t, 2 * trained_bytes * t,
-                 p * 2 if mixed_precision == "bf16" else 0, acts),
-        Estimate("FSDP full shard", weights, grads, moments, gather_units, acts),
-        Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, p * compute if n > 1 else 0, acts),
-        Estimate("FSDP + activation checkpointing", weights, grads, moments, gather_units,
-                 activation_bytes(shape, batch, block_size, compute, checkpointing=True,
-                                  loss_chunk_size=loss_chunk_size)),
-        Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, gather_units, acts),
-    ]
-    for e in estimates[:-1]:  # offload needs a GPU
-        sharded = n > 1 and e.strategy != "DDP"
-        load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main
-        e.peak_rss = cpu_peak_rss(shape, e, sharded, load)
-    return estimates + zero_estimates(shape, n, mixed_precision, weight_bytes, gather_units, acts)
-
-
-def frozen_bytes(shape: ModelShape, weight_bytes: int, ranks: int = 1) -> int:
-    """A rank's share of the frozen base (none in a full fine-tune): `weight_bytes`
-    per parameter, and NF4's size for a QLoRA run's 4-bit ones."""
-    frozen = shape.params - (shape.trainable or shape.params)
-    return weight_bytes * -(-(frozen - shape.four_bit) // ranks) + math.ceil(NF4_BYTES_PER_WEIGHT * shape.four_bit / ranks)
-
-
-def zero_estimates(shape: ModelShape, n: int, mixed_precision: str, weight_bytes: int, gather_units: int,
-                   acts: int) -> list[Estimate]:
-    """DeepSpeed's engine holds the trained weights in the compute dtype and,
-    next to them, an fp32 master partition with the two AdamW moments (12
-    bytes per element per rank); ZeRO-1 keeps whole gradients, ZeRO-2
-    partitions them, ZeRO-3 the weights too. Checked against the engine in
-    tests/test_deepspeed.py; the CPU resident set is not calibrated."""
-    p, t = shape.params, shape.trainable or shape.params
-    model_bytes = 2 if mixed_precision == "bf16" else 4
-    frozen, whole = frozen_bytes(shape, weight_bytes), model_bytes * t
-    part = model_bytes * -(-t // n)
-    optimizer = 12 * -(-t // n)
-    return [Estimate("DeepSpeed ZeRO-1", frozen + whole, whole, optimizer, 0, acts, no_peak_rss="not calibrated"),
-            Estimate("DeepSpeed ZeRO-2", frozen + whole, part, optimizer, 0, acts, no_peak_rss="not calibrated"),
-            Estimate("DeepSpeed ZeRO-3", frozen_bytes(shape, weight_bytes, n) + part, part, optimizer, gather_units, acts,
-                     no_peak_rss="not calibrated")]
-
-
-def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> int:
-    """What a CPU rank's resident set peaks at (see the module docstring)."""
-    churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
-    return RUNTIME_BYTES + max(load, e.total + int(churn))
+    inputs = PlanInputs(
+        shape=shape, num_processes=n, compute_bytes=compute, mixed_precision=mixed_precision, weight_bytes=weight_bytes,
+        trained_bytes=4 if t < p or mixed_precision != "no" else weight_bytes,
+        activations=activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size),
+        checkpointed_activations=activation_bytes(shape, batch, block_size, compute, checkpointing=True,
+                                                  loss_chunk_size=loss_chunk_size),
+        # Gathered copies: two units (the current one and the prefetched next one).
+        gather_units=min(2 * shape.largest_unit, p) * compute if n > 1 else 0,
+        frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n))
+    estimates = [row for backend in BACKENDS for row in backend.plan(inputs)]
+    for e in estimates:
+        if e.cpu_calibrated:
+            sharded = n > 1 and e.sharded
+            load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main
+            e.peak_rss = cpu_peak_rss(shape, e, sharded, load)
+    return estimates
 
 
 def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None,

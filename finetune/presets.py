@@ -14,3 +14,4 @@ GPT2_PRESETS: dict[str, dict] = {
 
 # The lectures' CNN (LectureCNNConfig keyword arguments).
 CNN_PRESETS: dict[str, dict] = {"lecture-cnn": {}}
+CNN_MODEL_TYPE = "lecture-cnn"  # finetune.models.cnn_config.LectureCNNConfig.model_type

@@ -243,6 +243,11 @@ def say(accelerator, message: str) -> None:
         sys.stdout.flush()
 
 
+def rank_warning(accelerator, message: str) -> None:
+    """A warning that holds for this rank only."""
+    print(f"[rank {accelerator.process_index}] warning: {message}", file=sys.stderr, flush=True)
+
+
 def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
     unit = throughput_key.removesuffix("_per_sec")
     return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from finetune.distributed import canonical_name
-from finetune.model_dir import tied_duplicates
+from finetune.model_dir import Weights, tied_duplicates
+from finetune.parameters import canonical_name
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -29,6 +29,20 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
+
+
+def safetensors_weights(path: Path) -> Weights:
+    """The tensors of one safetensors file, read a few at a time."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        specs = {name: (torch.Size(f.get_slice(name).get_shape()), SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()])
+                 for name in f.keys()}
+
+    def read_file(names: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(path), "pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+    return Weights(specs, read_file)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -36,17 +36,20 @@ from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_
                                  complete_checkpoints, resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, byte_count, data_options, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
-from finetune.distributed import (Heartbeats, HostMemory, ShardReport, WriteFailed, build_accelerator, canonical_name,
-                                  check_wrap_policy, count_fsdp_units, fit_collectives_to_backend, fit_deepspeed_to_run,
-                                  full_numel, gather_ints, end_training, import_deepspeed_only_for_deepspeed_runs,
-                                  is_collective_timeout, models_built_whole, on_every_rank, peak_memory_bytes, persistent_state, resident_bytes,
-                                  serve_full_tensors, slow_bf16_warning, verify_sharded, zero_stage)
+from finetune.backends import requested_backend
+from finetune.backends.accelerator import build_accelerator
+from finetune.backends.base import Backend, ShardReport
+from finetune.collectives import WriteFailed, gather_ints, on_every_rank, serve_full_tensors
 from finetune.errors import Stopped, UsageError
+from finetune.hardware import slow_bf16_warning
+from finetune.host_memory import HostMemory, peak_memory_bytes, resident_bytes
 from finetune.launch import record as launch_record
+from finetune.liveness import Heartbeats, is_collective_timeout
 from finetune.lock import RunLock
 from finetune.model_dir import Weights, write_model_dir
 from finetune.models.lora import check_supported_here, merged_state_dict, merged_weights
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
+from finetune.parameters import canonical_name, full_numel
 from finetune.profiling import StepProfiler
 from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, say, step_line, truncate_metrics, write_summary)
@@ -60,6 +63,7 @@ class Run:
     """What a run holds from setup to finish."""
     cfg: TrainConfig
     accelerator: Accelerator
+    backend: Backend
     task: Task
     data: TaskData
     model: torch.nn.Module
@@ -117,7 +121,8 @@ class StepResult:
 
 
 def train(cfg: TrainConfig) -> dict:
-    import_deepspeed_only_for_deepspeed_runs()
+    backend = requested_backend()
+    backend.import_libraries()
     host = HostMemory()
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
@@ -126,13 +131,13 @@ def train(cfg: TrainConfig) -> dict:
     fresh_run_dir = not run_dir.exists()
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
-                                    run_dir, timeout_s=cfg.ddp_timeout)
+                                    run_dir, timeout_s=cfg.ddp_timeout, backend=backend)
     heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
     if plain_logs(cfg.log_format) or not accelerator.is_main_process:
         quiet_library_bars()  # only the main process shows progress, and only on a terminal
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
-            return run_to_the_end(setup_run(cfg, accelerator, stop, heartbeats, host))
+            return run_to_the_end(setup_run(cfg, accelerator, backend, stop, heartbeats, host))
     except RuntimeError as e:
         if is_collective_timeout(e):
             raise heartbeats.lost(e) from None
@@ -151,7 +156,7 @@ def train(cfg: TrainConfig) -> dict:
             traceback.clear_frames(in_flight)
         accelerator.free_memory()
         gc.collect()
-        end_training(accelerator)
+        backend.end_training(accelerator)
 
 
 def run_to_the_end(run: Run) -> dict:
@@ -163,8 +168,8 @@ def run_to_the_end(run: Run) -> dict:
 
 # --- setup ----------------------------------------------------------------------------------------
 
-def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, heartbeats: Heartbeats,
-              host: HostMemory) -> Run:
+def setup_run(cfg: TrainConfig, accelerator: Accelerator, backend: Backend, stop: StopSignals,
+              heartbeats: Heartbeats, host: HostMemory) -> Run:
     cpu_threads, _ = use_cpu_threads()
     if warning := slow_bf16_warning(accelerator):
         accelerator.print(warning)
@@ -180,17 +185,17 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
     task = build_task(cfg)
-    model, data = task.build(accelerator, run_dir)
+    model, data = task.build(accelerator, backend, run_dir)
     train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
     # The last micro-batches of an epoch make a step even when fewer than
     # gradient_accumulation_steps are left.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
-    check_wrap_policy(accelerator, model)
+    backend.check_model(accelerator, model)
     optimizer = build_optimizer(model, cfg)
-    fit_deepspeed_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
+    backend.fit_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
-    fit_collectives_to_backend(model)
+    backend.after_prepare(model)
     if task.own_shards is not None:
         task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
@@ -199,14 +204,15 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, stop: StopSignals, hea
     checkpoints = CheckpointManager(
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
-            {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes)},
-            sort_keys=False), tokenizer=data.tokenizer, base_record=task.base_record)
-    run = Run(cfg=cfg, accelerator=accelerator, task=task, data=data, model=model, optimizer=optimizer,
+            {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
+                                                      backend)},
+            sort_keys=False), tokenizer=data.tokenizer, base_record=task.base_record, backend=backend)
+    run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
-              shards=verify_sharded(model, accelerator), fsdp_units=count_fsdp_units(model), host=host,
+              shards=backend.verify_sharded(model, accelerator), fsdp_units=backend.units(model), host=host,
               load_peak_rss=load_peak_rss,
               plain_logs=plain_logs(cfg.log_format), cpu_threads=cpu_threads)
     measure_state_after_first_step(run)
@@ -239,20 +245,20 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
 def measure_state_after_first_step(run: Run) -> None:
     """Parameters, gradients and optimizer state are all alive right after the
     first optimizer step (before the gradients are freed): measure them then,
-    once, from a hook instead of from the loop. DeepSpeed frees each group's
-    gradient as it steps the next: `run_summary` measures its engine instead."""
-    if zero_stage(run.accelerator) is not None:
+    once, from a hook instead of from the loop. A backend that frees them
+    as it steps is measured by `run_summary` instead."""
+    if not run.backend.measures_state_after_first_step:
         return
 
     def measure(*_):
-        run.state = persistent_state(run.model, stepping_optimizer(run))
+        run.state = run.backend.state(run.model, stepping_optimizer(run))
         handle.remove()
 
     handle = stepping_optimizer(run).register_step_post_hook(measure)
 
 
 def stepping_optimizer(run: Run) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's wrapper (and DeepSpeed's ZeRO optimizer)."""
+    """The torch optimizer inside Accelerate's wrapper (and an engine's own, such as ZeRO's)."""
     optimizer = run.optimizer
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
@@ -285,14 +291,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
         (run.run_dir / "run_config.yaml").write_text(run.checkpoints.config_yaml)
         if resumed_from is None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if run.fsdp_units:
-        layout = (f"{acc.distributed_type.value} on {acc.num_processes} process(es), {run.shards.total_params:,} "
-                  f"parameters in {run.fsdp_units} FSDP unit(s), per rank {run.shards.local_params_per_rank}")
-    elif acc.num_processes > 1:
-        layout = (f"{acc.distributed_type.value} on {acc.num_processes} processes, each holding all "
-                  f"{run.shards.total_params:,} parameters")
-    else:
-        layout = f"1 process, {run.shards.total_params:,} parameters (no sharding)"
+    layout = run.backend.layout_line(acc, run.shards, run.fsdp_units)
     if (trainable := trainable_params(run.model)) < run.shards.total_params:
         layout += f", of which {trainable:,} trainable ({run.cfg.peft} adapters on a frozen base)"
     acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
@@ -483,11 +482,11 @@ def write_final_model(run: Run) -> Path:
         def write() -> None:
             serve_full_tensors(acc, adapters, lambda fetch: write_model_dir(merged(fetch), hf_config, final_dir,
                                                                              **write_options))
-    elif (not acc.is_fsdp2 and acc.distributed_type == DistributedType.FSDP) or zero_stage(acc) == 3:
+    elif run.backend.gathers_whole_state(acc):
         # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
         state_dict = {canonical_name(name): tensor for name, tensor in (acc.get_state_dict(run.model) or {}).items()}
         if acc.is_main_process and run.checkpoints.adapter_config is not None:
-            with torch.device("meta"), models_built_whole(acc):
+            with torch.device("meta"), run.backend.models_built_whole(acc):
                 base = run.task.entry.auto().from_config(hf_config)
             state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
 
@@ -508,7 +507,7 @@ def write_final_model(run: Run) -> Path:
             serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(weights(fetch), hf_config, final_dir,
                                                                             **write_options))
     try:
-        with models_built_whole(acc):
+        with run.backend.models_built_whole(acc):
             on_every_rank(acc, write)
     except WriteFailed as e:
         raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: free space, "
@@ -518,16 +517,14 @@ def write_final_model(run: Run) -> Path:
 
 def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
     acc = run.accelerator
-    state = run.state or persistent_state(run.model, stepping_optimizer(run))
-    is_fsdp = acc.distributed_type == DistributedType.FSDP
+    state = run.state or run.backend.state(run.model, stepping_optimizer(run))
     return {
         "task": run.cfg.task,
         "model": run.cfg.model,
         "data_format": run.data.data_format,
         "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.value,
-        "fsdp_version": acc.state.fsdp_plugin.fsdp_version if is_fsdp else None,
-        "zero_stage": zero_stage(acc),
+        **run.backend.summary_facts(acc),  # fsdp_version, zero_stage
         "mixed_precision": acc.mixed_precision,
         "total_params": run.shards.total_params,
         "trainable_params": trainable_params(run.model),

@@ -6,10 +6,8 @@ damaged: nothing in it runs code, and nothing damaged loads silently.
 - Every non-tensor item DCP stores (optimizer hyperparameters, ...) and the
   scheduler and RNG files are unpickled with `weights_only=True` first; what
   fails is refused. Accelerate and DCP read them afterwards, already checked.
-- DeepSpeed's checkpoint files are torch.save pickles that it loads with
-  `weights_only=False`: they are checked with `weights_only=True` and the
-  three DeepSpeed classes they hold, and DeepSpeed then reads them under
-  `deepspeed_loads_weights_only()`, which forces the same.
+- A backend whose engine loads its own torch.save files unchecked checks
+  them here first, with its allow-list (finetune/backends).
 - Every checkpoint ends with `manifest.json`, the size and SHA-256 of every
   file in it, written after all ranks have finished; resume and export
   check the files they read against it.
@@ -22,9 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import pickle
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -119,32 +115,6 @@ def check_pickled_file(path: Path, allowed: tuple = ()) -> None:
         raise UsageError(f"{path} is missing; the checkpoint is incomplete, resume from an earlier one")
     with path.open("rb") as f, torch.serialization.safe_globals(list(allowed)):
         _load_weights_only(f, str(path))
-
-
-def deepspeed_pickled_classes() -> tuple:
-    """What DeepSpeed's checkpoint files hold besides tensors and plain values:
-    its loss scaler, its ZeRO stage enum and where each fp32 fragment sits."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return LossScaler, ZeroStageEnum, fragment_address
-
-
-@contextmanager
-def deepspeed_loads_weights_only():
-    """DeepSpeed's own loading (resume, consolidation) with every torch.load
-    forced to weights_only, allowing DeepSpeed's classes only."""
-    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(list(deepspeed_pickled_classes())):
-            yield
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
 
 
 def _load_weights_only(f, where: str) -> None:

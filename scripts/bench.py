@@ -410,7 +410,7 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
 
 def suite_baselines(args) -> tuple[list[dict], str]:
     """1 process, global batch = args.batch * 2, the same for every case."""
-    from finetune.distributed import cpu_has_native_bf16
+    from finetune.hardware import cpu_has_native_bf16
 
     peaks: dict = {}
     cores = os.cpu_count()

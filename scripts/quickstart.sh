@@ -20,7 +20,7 @@ if [ "${gpus:-0}" -gt 0 ]; then
 else
     launch+=(--num_processes 2)
     # bf16 is the config's default; CPUs without native bf16 run it far slower than fp32.
-    if ! python -c "import sys; from finetune.distributed import cpu_has_native_bf16; sys.exit(not cpu_has_native_bf16())"; then
+    if ! python -c "import sys; from finetune.hardware import cpu_has_native_bf16; sys.exit(not cpu_has_native_bf16())"; then
         echo "[quickstart] this CPU has no native bf16: training in fp32"
         launch+=(--mixed_precision no)
     fi

@@ -13,7 +13,7 @@ from transformers import AutoModelForImageClassification
 from finetune.config import load_config
 from finetune.data.digits import build_digits
 from finetune.data.images import check_labels, load_images
-from finetune.distributed import build_accelerator
+from finetune.backends.accelerator import build_accelerator
 from finetune.errors import UsageError
 from finetune.models.cnn import LectureCNN, LectureCNNConfig
 

@@ -22,7 +22,7 @@ def test_profiler_still_records_every_allocation_for_the_step_peak():
 
 
 # `PartialState.distributed_type`, switched while the Accelerator is built so that
-# Accelerate selects FSDP on a CPU-only machine (finetune/distributed.py), is the
+# Accelerate selects FSDP on a CPU-only machine (finetune/backends/fsdp.py), is the
 # product's core trick. Every multi-process FSDP run checks from the outside that
 # it still shards: tests/test_fsdp_train.py::test_summary_reports_real_fsdp_shards
 # and ::test_checkpoint_holds_one_shard_file_per_rank_matching_summary, and verify_sharded stops any
@@ -30,7 +30,7 @@ def test_profiler_still_records_every_allocation_for_the_step_peak():
 
 
 # Accelerate's unwrap imports DeepSpeed whenever it is installed; runs that do
-# not use it tell `accelerate.utils.other` otherwise (finetune/distributed.py):
+# not use it tell `accelerate.utils.other` otherwise (finetune/backends/base.py):
 # tests/test_units.py::test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps.
 
 GLOO_COLLECTIVES = """
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from finetune import distributed
-from finetune.distributed import GlooAllGather, GlooReduceScatter, fit_collectives_to_backend
+from finetune import collectives
+from finetune.collectives import GlooAllGather, GlooReduceScatter, use_gloo_collectives
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-distributed.GLOO_ALL_GATHER_PIECE_BYTES = 4096  # several pieces even for small tensors
+collectives.GLOO_ALL_GATHER_PIECE_BYTES = 4096  # several pieces even for small tensors
 for dtype in (torch.float32, torch.bfloat16):
     for n in (1, 7, 1000, 12345):  # per rank: less than a piece, and several pieces with a remainder
         mine = torch.randn(n, generator=torch.Generator().manual_seed(rank * 100 + n)).to(dtype)
@@ -76,7 +76,7 @@ for custom in (False, True):
     for layer in (model[0], model[2], model):
         fully_shard(layer)
     if custom:
-        fit_collectives_to_backend(model)
+        use_gloo_collectives(model)
     torch.manual_seed(1 + rank)
     model(torch.randn(8, 64)).square().sum().backward()
     grads.append([p.grad.to_local().clone() for p in model.parameters()])

@@ -114,7 +114,7 @@ def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs,
 
 
 def test_export_streams_from_the_shards(medium_runs, tmp_path):
-    from finetune.distributed import HostMemory
+    from finetune.host_memory import HostMemory
     from finetune.export import export_checkpoint
 
     run_dir = medium_runs[2]

@@ -10,11 +10,13 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from finetune.checkpoint import CheckpointManager, TrainingProgress, read_progress
 from finetune.config import load_config
-from finetune.distributed import Heartbeats, ShardReport, build_accelerator
+from finetune.backends import OneProcess
+from finetune.backends.accelerator import build_accelerator
+from finetune.backends.base import ShardReport
+from finetune.liveness import Heartbeats
 from finetune.errors import Stopped, UsageError
 from finetune.models import build_cnn
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
@@ -54,7 +56,7 @@ def make_run(run_dir: Path) -> Run:
     checkpoints = CheckpointManager(accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=0,
                                     keep_last=0, config_yaml="task: image-classification\n", tokenizer=None)
     params = sum(p.numel() for p in model.parameters())
-    run = Run(cfg=cfg, accelerator=accelerator, task=task, data=TaskData([], [], None, "none"), model=model,
+    run = Run(cfg=cfg, accelerator=accelerator, backend=OneProcess(), task=task, data=TaskData([], [], None, "none"), model=model,
               optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=None,
               eval_loader=None, checkpoints=checkpoints, stop=StopSignals(),
               heartbeats=Heartbeats(run_dir, accelerator, cfg.ddp_timeout), total_steps=10,

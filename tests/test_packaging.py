@@ -57,21 +57,21 @@ def test_an_installed_wheel_launches_fsdp_with_its_own_config(tmp_path, env, sma
 
 
 def test_a_deepspeed_json_named_by_file_name_is_found_next_to_the_shipped_configs(tmp_path, monkeypatch):
-    from finetune.distributed import find_deepspeed_config
+    from finetune.backends.deepspeed import find_config_file
     from finetune.errors import UsageError
     from finetune.launch_configs import CONFIG_DIR
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero2.json")
-    find_deepspeed_config()
+    find_config_file()
     assert Path(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]) == CONFIG_DIR / "zero2.json"
 
     (tmp_path / "zero2.json").write_text("{}")  # the user's own, in the working directory, comes first
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "zero2.json")
-    find_deepspeed_config()
+    find_config_file()
     assert os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "zero2.json"
 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/missing.json")
     with pytest.raises(UsageError, match="deepspeed_config_file configs/missing.json .* does not exist; "):
-        find_deepspeed_config()
+        find_config_file()
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import check_ok, read_jsonl, run_cli, run_in_process, train_rows
+from conftest import check_ok, run_cli, run_in_process, train_rows
 from finetune.config import TrainConfig
 from finetune.data.chat import IGNORE, ChatEncoder, PadCollator, encode_split, pack, unpacked
 from finetune.tasks.causal_lm import CausalLM

@@ -290,8 +290,8 @@ def test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps(deepspee
 import sys
 import torch
 from accelerate.utils import extract_model_from_parallel
-from finetune.distributed import import_deepspeed_only_for_deepspeed_runs
-import_deepspeed_only_for_deepspeed_runs()
+from finetune.backends import requested_backend
+requested_backend().import_libraries()
 extract_model_from_parallel(torch.nn.Linear(2, 2))  # what Accelerate's prepare and unwrap_model call
 print("deepspeed" in sys.modules)
 """
@@ -584,7 +584,7 @@ def test_bf16_loaded_weights_held_in_fp32_without_writing_the_placeholders(tmp_p
     into it are the files' values rounded to bf16, as from_pretrained loads them."""
     from transformers import LlamaConfig
 
-    from finetune.distributed import resident_bytes
+    from finetune.host_memory import resident_bytes
     from finetune.models import placeholder_model, upcast_trainable
     from finetune.shard_loading import OwnShards
 
@@ -644,7 +644,7 @@ def test_merged_weights_equal_peft_merge_and_unload():
 
 def test_shards_that_do_not_partition_the_model_stop_the_run():
     """Each rank holding everything (a silent fallback) is refused; padded ZeRO-3 partitions are not."""
-    from finetune.distributed import ShardReport, check_partition
+    from finetune.backends.base import ShardReport, check_partition
     from finetune.errors import NotDistributed
 
     check_partition(ShardReport(total_params=100, local_params_per_rank=[52, 52]), "ZeRO-3 partitions")
@@ -659,7 +659,7 @@ def test_qlora_quantises_the_adapted_weights_whose_shards_are_whole_nf4_blocks()
     the ranks turn 4-bit, the others stay, and the model still computes nearly
     what it did (NF4 rounds each weight to one of 16 levels per block)."""
     pytest.importorskip("torchao")
-    from finetune.distributed import held_bytes
+    from finetune.parameters import held_bytes
     from finetune.models import lora
 
     torch.manual_seed(0)

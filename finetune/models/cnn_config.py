@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from finetune.tasks import CNN_MODEL_TYPE
+from finetune.presets import CNN_MODEL_TYPE
 
 
 class LectureCNNConfig(PretrainedConfig):

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.errors import UsageError
-from finetune.presets import CNN_PRESETS, GPT2_PRESETS
+from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
-CNN_MODEL_TYPE = "lecture-cnn"  # finetune.models.cnn_config.LectureCNNConfig.model_type
 
 
 @dataclass(frozen=True)

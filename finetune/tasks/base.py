@@ -16,6 +16,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
+from finetune.backends.base import Backend
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
@@ -77,8 +78,9 @@ class Task:
         known before its forward."""
         raise NotImplementedError
 
-    def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
-        """The model and the data, checked before the run writes anything."""
+    def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
+        """The model and the data, checked before the run writes anything; the
+        backend decides whether every rank reads the weights."""
         raise NotImplementedError
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> "Scored":

@@ -20,8 +20,8 @@ from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template
 from finetune.data.sources import limit_samples
 from finetune.data.text import load_raw_data, tokenize_and_group
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
-from finetune.distributed import (broadcast_from_main, check_same_layout, leave_loading_to_the_ranks,
-                                  main_process_first, weights_from_main_process)
+from finetune.backends.base import Backend
+from finetune.collectives import broadcast_from_main, check_same_layout, main_process_first
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
@@ -77,7 +77,7 @@ class CausalLM(Task):
     def targets(self, batch: dict) -> int:
         return int((next_token_targets(batch.get("labels", batch["input_ids"])) != IGNORE).sum())
 
-    def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
+    def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         """The main process goes first and fills the caches (datasets, a GGUF
         conversion); the run dir gets nothing but a preset's tokenizer before
         every check has passed."""
@@ -89,10 +89,10 @@ class CausalLM(Task):
             run_dir.mkdir(parents=True, exist_ok=True)
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
         # weights; the others build the architecture and receive their shards in `prepare`.
-        from_main = weights_from_main_process(accelerator)
+        from_main = backend.weights_from_main_process(accelerator)
         if from_main and cfg.peft == "qlora":
             # 4-bit weights are made where the weights are: every rank loads the base and quantises its own copy.
-            leave_loading_to_the_ranks(accelerator)
+            backend.leave_loading_to_the_ranks(accelerator)
             from_main = False
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
         if from_main:
@@ -101,7 +101,7 @@ class CausalLM(Task):
             check_same_layout(accelerator, model)
             self.base_record = broadcast_from_main(self.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
-                leave_loading_to_the_ranks(accelerator)
+                backend.leave_loading_to_the_ranks(accelerator)
         splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format)

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
 from finetune.data.images import check_labels, load_images, pixel_values
-from finetune.distributed import main_process_first
+from finetune.backends.base import Backend
+from finetune.collectives import main_process_first
 from finetune.errors import UsageError
 from finetune.presets import CNN_PRESETS
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
@@ -26,7 +26,7 @@ class ImageClassification(Task):
     metric_name = "accuracy"
     throughput_key = "samples_per_sec"
 
-    def build(self, accelerator: Accelerator, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
+    def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         cfg = self.cfg
         if cfg.model in CNN_PRESETS:
             set_seed(cfg.seed)  # every rank initialises the same weights before sharding

@@ -1,0 +1,247 @@
+"""What every backend answers, with the answers of a run that holds the whole
+model on every rank (one process, DDP). A backend (FSDP2, FSDP1, DDP,
+DeepSpeed, one process) overrides what it does differently; the loop, the
+checkpoints, the export and the planner ask it instead of branching."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import InitProcessGroupKwargs
+
+from finetune.collectives import gather_ints
+from finetune.errors import NotDistributed, UsageError
+from finetune.estimates import Estimate
+from finetune.hardware import has_accelerator_device, launched_world_size
+from finetune.model_dir import Weights
+from finetune.parameters import full_numel, local_numel, tally
+from finetune.shard_loading import safetensors_weights
+
+
+@dataclass
+class ShardReport:
+    total_params: int
+    local_params_per_rank: list[int]
+
+
+def shard_report(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+    """Count this rank's share of the parameters and gather everyone's."""
+    params = list(model.parameters())
+    total = sum(full_numel(p) for p in params)
+    return ShardReport(total_params=total, local_params_per_rank=gather_ints(accelerator, sum(local_numel(p) for p in params)))
+
+
+def check_partition(report: ShardReport, what: str) -> None:
+    if sum(report.local_params_per_rank) < report.total_params or max(report.local_params_per_rank) >= report.total_params:
+        raise NotDistributed(f"{what} do not partition the model: per-rank {report.local_params_per_rank}, "
+                             f"total {report.total_params}; refusing to train unsharded")
+
+
+@dataclass
+class PlanInputs:
+    """What every backend's planner rows are computed from (finetune/memory.py fills it)."""
+    shape: "object"           # estimates.ModelShape
+    num_processes: int
+    compute_bytes: int        # 2 under bf16 mixed precision, else 4
+    mixed_precision: str
+    weight_bytes: int         # per parameter as loaded (--model_dtype)
+    trained_bytes: int        # per trained element: fp32 under mixed precision and for adapters
+    activations: int
+    checkpointed_activations: int
+    gather_units: int         # two gathered units in the compute dtype (0 on one process)
+    frozen_whole: int         # the frozen base (LoRA), whole
+    frozen_shard: int         # and a rank's share of it
+
+
+class Backend:
+    """The one-process run; also the base of every other backend."""
+    name: ClassVar[str] = "one process"
+    # Checkpoints: how this backend stores the model in `save_state` output, and how messages name it.
+    layout: ClassVar[str] = "unsharded"
+    written_as: ClassVar[str] = "without sharding"
+    run_is: ClassVar[str] = "not sharded"
+    example_config: ClassVar[str] = "ddp"   # a shipped config that reads this layout
+    weights_name: ClassVar[str] = "model.safetensors"
+    weights_described: ClassVar[str] = "model.safetensors"  # for messages
+
+    # --- selection ------------------------------------------------------------------------------
+
+    fallback: ClassVar[bool] = False  # chosen only when no other backend is asked for (whole replicas)
+
+    @classmethod
+    def requested(cls) -> bool:
+        """Whether the environment `accelerate launch` set up asks for this backend."""
+        return launched_world_size() == 1
+
+    @classmethod
+    def wrote(cls, checkpoint_dir: Path) -> bool:
+        """Whether a checkpoint is in this backend's layout."""
+        return (checkpoint_dir / cls.weights_name).is_file()
+
+    @classmethod
+    def holds_weights(cls, path: Path) -> bool:
+        """Whether `path` is a model's weights in this layout."""
+        return path.name == cls.weights_name and path.is_file()
+
+    @classmethod
+    def runs_launch_config(cls, launch: dict) -> bool:
+        """Whether an accelerate config file (as a dict) runs this backend."""
+        return launch.get("distributed_type", "NO") == "NO"
+
+    # --- building and preparing -----------------------------------------------------------------
+
+    def import_libraries(self) -> None:
+        """Accelerate's unwrap (in `prepare`, and at every save) imports DeepSpeed
+        whenever it is installed, only to compare the model with DeepSpeed's engine:
+        1.1 s and 66 MB per rank (measured), in runs that never use it. A run
+        without that engine tells Accelerate so."""
+        import accelerate.utils.other
+
+        accelerate.utils.other.is_deepspeed_available = lambda: False
+
+    def check_supported_here(self) -> None:
+        """One line (UsageError) for what this machine cannot run."""
+
+    def process_group(self, timeout: timedelta) -> InitProcessGroupKwargs:
+        """Sets up what Accelerate needs to start the ranks, before the Accelerator is built."""
+        if not has_accelerator_device() and launched_world_size() > 1:
+            PartialState(cpu=True, timeout=timeout)  # without cpu=True, Accelerate leaves every CPU rank alone (NO)
+        return InitProcessGroupKwargs(timeout=timeout)
+
+    def after_accelerator(self) -> None:
+        """Undoes what `process_group` changed in Accelerate's shared state."""
+
+    def check_chosen(self, accelerator: Accelerator) -> None:
+        """Stops a run whose Accelerator did not become this backend."""
+
+    def check_model(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        """What `prepare` would refuse with a traceback, refused before it in one line."""
+
+    def fit_to_run(self, accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
+        """The run's options where the engine would otherwise use its own; before `prepare`."""
+
+    def after_prepare(self, model: torch.nn.Module) -> None:
+        """Adjusts the prepared model to the machine."""
+
+    def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+        """Each rank's parameters; fails loudly where sharding was asked for and did not happen."""
+        return shard_report(model, accelerator)
+
+    def weights_from_main_process(self, accelerator: Accelerator) -> bool:
+        """Whether only the main process reads the pretrained weights and `prepare` sends the others theirs."""
+        return False
+
+    def leave_loading_to_the_ranks(self, accelerator: Accelerator) -> None:
+        """Each rank reads its own weights after all (its shards, or a QLoRA base it quantises itself)."""
+
+    def units(self, model: torch.nn.Module) -> int:
+        """Modules the auto-wrap policy made into FSDP units; 0 where there are none."""
+        return 0
+
+    def summary_facts(self, accelerator: Accelerator) -> dict:
+        return {"fsdp_version": None, "zero_stage": None}
+
+    def layout_line(self, accelerator: Accelerator, shards: ShardReport, units: int) -> str:
+        if accelerator.num_processes > 1:
+            return (f"{accelerator.distributed_type.value} on {accelerator.num_processes} processes, each holding all "
+                    f"{shards.total_params:,} parameters")
+        return f"1 process, {shards.total_params:,} parameters (no sharding)"
+
+    @contextmanager
+    def models_built_whole(self, accelerator: Accelerator):
+        """Inside, a model built on one rank alone is built whole (no collective)."""
+        yield
+
+    def end_training(self, accelerator: Accelerator) -> None:
+        accelerator.end_training()
+
+    # --- what a rank holds ----------------------------------------------------------------------
+
+    measures_state_after_first_step: ClassVar[bool] = True  # with the gradients alive, before they are freed
+
+    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+        """Elements and bytes this rank holds in parameters, gradients and
+        optimizer state. `optimizer` is the torch optimizer that steps; measure
+        right after its step, before the gradients are freed."""
+        params = list(model.parameters())
+        moments = [v for state in optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": tally(params), "grads": tally(p.grad for p in params if p.grad is not None),
+                "optimizer": tally(moments)}
+
+    # --- the end of the run ---------------------------------------------------------------------
+
+    def gathers_whole_state(self, accelerator: Accelerator) -> bool:
+        """Whether the final state comes whole to the main process at once
+        (Accelerate's `get_state_dict`), instead of tensor by tensor."""
+        return False
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def check_checkpoint_files(self, checkpoint_dir: Path) -> None:
+        """This layout's files, checked before anything is loaded (finetune/verify.py)."""
+        from finetune.verify import check_pickled_file
+
+        if not (checkpoint_dir / "optimizer_0").is_dir():
+            check_pickled_file(checkpoint_dir / "optimizer.bin")
+
+    def saved_shapes(self, checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+        from safetensors import SafetensorError, safe_open
+
+        weights = checkpoint_dir / self.weights_name
+        if not weights.is_file():
+            raise UsageError(f"{checkpoint_dir} holds no model weights (pytorch_model_fsdp_0/ or model.safetensors); "
+                             "resume from another checkpoint")
+        try:
+            with safe_open(str(weights), "pt") as f:
+                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except (OSError, SafetensorError) as e:
+            raise UsageError(f"{weights} is not readable safetensors ({str(e).strip().splitlines()[0][:80]}); the "
+                             "checkpoint is damaged, resume from an earlier one") from None
+
+    def check_resume_world_size(self, checkpoint_dir: Path, written_by: int, accelerator: Accelerator) -> None:
+        """A checkpoint this backend cannot reshard to this run's ranks stops the resume."""
+
+    def loading_checkpoint(self):
+        """Around the engine's own reading of a checkpoint (nothing unpickled unchecked)."""
+        return nullcontext()
+
+    def export_weights(self, weights: Path) -> Weights:
+        """The model's tensors at `weights` (this layout's `weights_name` in a
+        checkpoint), read a few at a time, for `finetune export`."""
+        return safetensors_weights(weights)
+
+    # --- relaunching ----------------------------------------------------------------------------
+
+    @staticmethod
+    def launch_files() -> dict:
+        """Files the accelerate config names, recorded by content with the run (finetune/launch.py)."""
+        return {}
+
+    @staticmethod
+    def write_launch_files(launch: dict, config: dict, scratch: Path) -> dict:
+        """The recorded files written into `scratch` for a relaunch; the accelerate config naming them."""
+        return config
+
+    # --- the planner ----------------------------------------------------------------------------
+
+    @classmethod
+    def ram_efficient_loading(cls, launch: dict) -> bool:
+        """Whether an accelerate config of this backend loads the weights once, not on every rank."""
+        return False
+
+    @classmethod
+    def strategy(cls, launch: dict, path: Path) -> str:
+        """The planner's row name for an accelerate config of this backend."""
+        return "DDP"
+
+    @classmethod
+    def plan(cls, p: PlanInputs) -> list[Estimate]:
+        """This backend's rows in `finetune estimate-memory`: bytes per device."""
+        return []

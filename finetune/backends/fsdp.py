@@ -1,0 +1,258 @@
+"""FSDP2 (`fully_shard`, DTensor shards) and FSDP1 through Accelerate's FSDP
+plugin, and real FSDP2 on CPU-only machines.
+
+Accelerate only selects FSDP when it finds an accelerator device: on a CPU-only
+machine `accelerate launch --config_file accelerate_configs/fsdp.yaml` starts
+the processes, but each one ends up alone (`NO`) or in plain DDP (`MULTI_CPU`)
+with the FSDP plugin silently dropped. PyTorch's FSDP2 runs on CPU over gloo,
+so `process_group` sets up the gloo process group and hands it to Accelerate
+as a multi-device one; Accelerate then builds its FSDP state and `prepare`
+shards the model exactly as it would on GPUs.
+
+Checkpoints: the model and optimizer as DCP shards (`pytorch_model_fsdp_0/`,
+`optimizer_0/`), which any number of ranks can read back.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from finetune.backends.base import Backend, PlanInputs, ShardReport, check_partition, shard_report
+from finetune.collectives import use_gloo_collectives
+from finetune.errors import NotDistributed, UsageError
+from finetune.estimates import Estimate
+from finetune.hardware import has_accelerator_device
+from finetune.model_dir import Weights
+from finetune.verify import check_dcp_dir
+
+MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
+OPTIMIZER_SHARDS_DIR = "optimizer_0"
+
+
+def fsdp_requested() -> bool:
+    """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+class FSDP2(Backend):
+    name = "FSDP2"
+    layout = "FSDP"
+    written_as = "under FSDP"
+    run_is = "an FSDP run"
+    example_config = "fsdp"
+    weights_name = MODEL_SHARDS_DIR
+    weights_described = f"{MODEL_SHARDS_DIR}/ with DCP shards"
+    fsdp_version: ClassVar[int] = 2
+
+    @classmethod
+    def requested(cls) -> bool:
+        return fsdp_requested() and os.environ.get("FSDP_VERSION", "2") != "1"
+
+    @classmethod
+    def wrote(cls, checkpoint_dir: Path) -> bool:
+        return (checkpoint_dir / MODEL_SHARDS_DIR).is_dir()
+
+    @classmethod
+    def holds_weights(cls, path: Path) -> bool:
+        return path.is_dir() and (path / ".metadata").is_file()
+
+    @classmethod
+    def runs_launch_config(cls, launch: dict) -> bool:
+        version = str((launch.get("fsdp_config") or {}).get("fsdp_version", 2))
+        return launch.get("distributed_type") == "FSDP" and (version == "1") == (cls.fsdp_version == 1)
+
+    # --- building and preparing -----------------------------------------------------------------
+
+    def check_supported_here(self) -> None:
+        """Parameter offload needs an accelerator device (measured: FSDP2's
+        CPUOffloadPolicy needs a device to offload from)."""
+        if has_accelerator_device():
+            return
+        if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
+                             "launch with `--config_file $(finetune configs --path fsdp)`")
+
+    def process_group(self, timeout: timedelta) -> InitProcessGroupKwargs:
+        """On a CPU-only machine: `PartialState(cpu=True)` initialises the gloo
+        process group as MULTI_CPU. `AcceleratorState` only turns FSDP on for the
+        multi-device kinds, so the shared state is presented as MULTI_GPU while
+        the Accelerator is built; `after_accelerator` puts it back. Nothing else
+        is patched."""
+        if not has_accelerator_device():
+            state = PartialState(cpu=True, timeout=timeout)
+            if state.distributed_type == DistributedType.MULTI_CPU:
+                state.distributed_type = DistributedType.MULTI_GPU
+        return InitProcessGroupKwargs(timeout=timeout)
+
+    def after_accelerator(self) -> None:
+        state = PartialState()
+        if state.distributed_type == DistributedType.MULTI_GPU and not has_accelerator_device():
+            state.distributed_type = DistributedType.MULTI_CPU
+
+    def check_chosen(self, accelerator: Accelerator) -> None:
+        if accelerator.distributed_type != DistributedType.FSDP:
+            raise NotDistributed(f"the accelerate config asks for FSDP but Accelerate chose "
+                                 f"{accelerator.distributed_type.value}; refusing to train unsharded")
+
+    def check_model(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        """FSDP2's size-based wrap (fsdp_cnn.yaml, the lectures' policy) would wrap
+        any module over the threshold, and fully_shard refuses containers without
+        a forward (a transformer's ModuleList of blocks): say so in one line
+        before `prepare` fails with a traceback."""
+        plugin = accelerator.state.fsdp_plugin
+        if "size_based" not in str(plugin.auto_wrap_policy).lower():
+            return
+        containers = [(name, type(module).__name__) for name, module in model.named_modules()
+                      if name and type(module).forward is torch.nn.Module.forward
+                      and sum(p.numel() for p in module.parameters()) > plugin.min_num_params]
+        if containers:
+            name, kind = containers[0]
+            raise UsageError(f"this accelerate config wraps modules by size, which would make {name} (a {kind} without "
+                             f"forward) an FSDP unit, and FSDP2 cannot; launch {type(model).__name__} with "
+                             "`--config_file $(finetune configs --path fsdp)` (a unit per transformer block)")
+
+    def after_prepare(self, model: torch.nn.Module) -> None:
+        use_gloo_collectives(model)
+
+    def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+        """Fail loudly when FSDP was asked for and the parameters are not sharded."""
+        report = shard_report(model, accelerator)
+        if accelerator.num_processes == 1:
+            return report
+        unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
+        if unsharded:
+            raise NotDistributed(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
+                                 f"(first: {unsharded[0]}); refusing to train unsharded")
+        check_partition(report, "FSDP shards")
+        return report
+
+    def units(self, model: torch.nn.Module) -> int:
+        """The root included."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        return sum(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+    def summary_facts(self, accelerator: Accelerator) -> dict:
+        return {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version, "zero_stage": None}
+
+    def layout_line(self, accelerator: Accelerator, shards: ShardReport, units: int) -> str:
+        return (f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+                f"{shards.total_params:,} parameters in {units} FSDP unit(s), per rank {shards.local_params_per_rank}")
+
+    def weights_from_main_process(self, accelerator: Accelerator) -> bool:
+        """fsdp_cpu_ram_efficient_loading under FSDP2: only the main process reads
+        the weights; `prepare` shards the model on the meta device and sends every
+        rank its shards from the main process's copy (Accelerate's
+        fsdp2_load_full_state_dict). A run holds one full copy, not one per rank."""
+        return accelerator.num_processes > 1 and bool(accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+
+    def leave_loading_to_the_ranks(self, accelerator: Accelerator) -> None:
+        accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def check_checkpoint_files(self, checkpoint_dir: Path) -> None:
+        for name in (MODEL_SHARDS_DIR, OPTIMIZER_SHARDS_DIR):
+            if (checkpoint_dir / name).is_dir():
+                check_dcp_dir(checkpoint_dir / name)
+
+    def saved_shapes(self, checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+        metadata = check_dcp_dir(checkpoint_dir / MODEL_SHARDS_DIR)
+        return {fqn.removeprefix("model."): tuple(meta.size) for fqn, meta in metadata.state_dict_metadata.items()
+                if hasattr(meta, "size")}
+
+    def export_weights(self, weights: Path) -> Weights:
+        """From DCP shards (any number of ranks), only the byte ranges of the tensors asked for."""
+        metadata = check_dcp_dir(weights)  # read without unpickling anything but DCP's metadata
+        tensors = {fqn: meta for fqn, meta in metadata.state_dict_metadata.items()
+                   if isinstance(meta, TensorStorageMetadata)}
+        # Accelerate saves {"model": state_dict}: every key path is ("model", name).
+        paths = metadata.planner_data or {}
+        nested = tensors and all(len(paths.get(fqn, ())) == 2 and paths[fqn][0] == "model" for fqn in tensors)
+        fqn_of = {(paths[fqn][1] if nested else fqn): fqn for fqn in tensors}
+
+        def read_shards(names: list[str]) -> dict[str, torch.Tensor]:
+            # Empty tensors of the saved shapes and dtypes, filled in place by DCP's public loader.
+            part = {fqn_of[name]: torch.empty(tensors[fqn_of[name]].size, dtype=tensors[fqn_of[name]].properties.dtype)
+                    for name in names}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(part, storage_reader=dcp.FileSystemReader(str(weights)),
+                         planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+            return {name: part[fqn_of[name]] for name in names}
+        return Weights({name: (tensors[fqn].size, tensors[fqn].properties.dtype) for name, fqn in fqn_of.items()},
+                       read_shards)
+
+    # --- the planner ----------------------------------------------------------------------------
+
+    @classmethod
+    def strategy(cls, launch: dict, path: Path) -> str:
+        fsdp = launch.get("fsdp_config", {}) or {}
+        if fsdp.get("fsdp_offload_params"):
+            return "FSDP + CPU offload (state in CPU RAM)"
+        if fsdp.get("fsdp_activation_checkpointing"):
+            return "FSDP + activation checkpointing"
+        if fsdp.get("fsdp_reshard_after_forward") is False:
+            return "FSDP SHARD_GRAD_OP"
+        return "FSDP full shard"
+
+    @classmethod
+    def ram_efficient_loading(cls, launch: dict) -> bool:
+        return bool((launch.get("fsdp_config") or {}).get("fsdp_cpu_ram_efficient_loading"))
+
+    @classmethod
+    def plan(cls, p: PlanInputs) -> list[Estimate]:
+        """1/N of the state; while a unit computes, a gathered copy of it in the
+        compute dtype (two with prefetch); SHARD_GRAD_OP keeps every unit
+        gathered from forward to backward; offload moves the state to CPU RAM."""
+        trained = -(-(p.shape.trainable or p.shape.params) // p.num_processes)  # ceil: FSDP pads the last shard
+        weights = p.frozen_shard + p.trained_bytes * trained
+        grads, moments = p.trained_bytes * trained, 2 * p.trained_bytes * trained
+        every_unit = p.shape.params * p.compute_bytes if p.num_processes > 1 else 0
+        return [Estimate("FSDP full shard", weights, grads, moments, p.gather_units, p.activations, cpu_calibrated=True),
+                Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, every_unit, p.activations, cpu_calibrated=True),
+                Estimate("FSDP + activation checkpointing", weights, grads, moments, p.gather_units,
+                         p.checkpointed_activations, cpu_calibrated=True),
+                Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, p.gather_units, p.activations)]
+
+
+class FSDP1(FSDP2):
+    """FullyShardedDataParallel with flat parameters (fsdp1.yaml), GPUs only
+    (measured on CPU: FSDP1 rejects `cpu:0`, `fsdp_sync_module_states` finds
+    no device). Same checkpoint layout and planner rows as FSDP2; Accelerate
+    gathers its final state whole on the main process."""
+    name = "FSDP1"
+    fsdp_version = 1
+
+    @classmethod
+    def requested(cls) -> bool:
+        return fsdp_requested() and os.environ.get("FSDP_VERSION", "2") == "1"
+
+    def check_supported_here(self) -> None:
+        if not has_accelerator_device():
+            raise UsageError("fsdp_version: 1 (FSDP1) needs a GPU and this machine has none; "
+                             "launch with `--config_file $(finetune configs --path fsdp)` (FSDP2), which runs on CPU")
+
+    def after_prepare(self, model: torch.nn.Module) -> None:
+        """FSDP1 takes no custom collectives."""
+
+    def weights_from_main_process(self, accelerator: Accelerator) -> bool:
+        return False
+
+    def gathers_whole_state(self, accelerator: Accelerator) -> bool:
+        return True
+
+    @classmethod
+    def plan(cls, p: PlanInputs) -> list[Estimate]:
+        return []  # FSDP2's rows: the same state per rank

@@ -1,0 +1,92 @@
+"""The arithmetic of the memory planner: a model's shape, one row of bytes
+per device, activations, and a CPU rank's resident set. Each backend
+(finetune/backends) computes its rows with it; finetune/memory.py collects
+them (see its docstring for the model behind the numbers)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from finetune.host_memory import MIB
+from finetune.models.lora import NF4_BYTES_PER_WEIGHT
+
+GIB = 1024**3
+
+# Calibrated on fp32 CPU runs (torch 2.13, transformers 5.23, glibc 2.36):
+# tiny-gpt2, the GPT-2 124M shape and a 34 M-parameter Llama, on 1, 2 and 3
+# processes; tests/test_memory_planner.py keeps the prediction within 15%.
+RUNTIME_BYTES = 530 * MIB
+# The heap's high-water mark above the live tensors, in fp32 bytes of the
+# parameters held in tensors below the mmap threshold: on one process their
+# gradients and the optimizer's temporaries pass through it; sharded, also
+# the gathered units and their unsharded gradients. (Sharded it was 3.25 with
+# gloo's own reduce-scatter and all-gather, whose temporaries were whole units;
+# finetune/collectives.py's reduce in place and gather in 4 MB pieces.)
+HEAP_CHURN_ONE_PROCESS = 2.0
+HEAP_CHURN_SHARDED = 0.9
+
+
+@dataclass
+class ModelShape:
+    params: int
+    largest_unit: int   # parameters of the largest FSDP unit (a block, or what the root keeps)
+    layers: int
+    hidden: int
+    vocab: int
+    heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
+    trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
+    four_bit: int = 0     # frozen parameters a QLoRA run holds as NF4
+    largest_tensor: int = 0  # elements of the largest parameter
+    own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int
+    peak_rss: int | None = None  # a CPU run's resident set per rank; None where not known
+    no_peak_rss: str = "GPU only"  # what the table says where peak_rss is None
+    sharded: bool = True  # each rank holds a share of the state (with more than one process)
+    cpu_calibrated: bool = False  # a CPU run's peak_rss is predicted (calibrated against measured runs)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.activations
+
+
+def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,
+                     checkpointing: bool = False, loss_chunk_size: int = 0) -> int:
+    tokens = batch * block_size
+    per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
+    layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
+    if not loss_chunk_size:
+        # The logits, their fp32 copy and gradient, and the output layer's weight gradient.
+        return (layers + tokens * shape.vocab * (compute_bytes + 4 + 4)
+                + shape.vocab * shape.hidden * compute_bytes)
+    # One chunk's logits, fp32 scores and their gradient at a time, and the
+    # gradients the chunked loss keeps for backward: the hidden states' and the
+    # output layer's (fp32).
+    chunk = min(tokens, loss_chunk_size) * shape.vocab * (compute_bytes + 4 + compute_bytes)
+    return layers + chunk + tokens * shape.hidden * compute_bytes + shape.vocab * shape.hidden * 4
+
+
+def frozen_bytes(shape: ModelShape, weight_bytes: int, ranks: int = 1) -> int:
+    """A rank's share of the frozen base (none in a full fine-tune): `weight_bytes`
+    per parameter, and NF4's size for a QLoRA run's 4-bit ones."""
+    frozen = shape.params - (shape.trainable or shape.params)
+    return weight_bytes * -(-(frozen - shape.four_bit) // ranks) + math.ceil(NF4_BYTES_PER_WEIGHT * shape.four_bit / ranks)
+
+
+def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> int:
+    """What a CPU rank's resident set peaks at (see the module docstring)."""
+    churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
+    return RUNTIME_BYTES + max(load, e.total + int(churn))
