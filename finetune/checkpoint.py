@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -38,15 +39,16 @@ from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
 from finetune.errors import UsageError
-from finetune.models import lora
-from finetune.model_dir import TIED_FILE, tied_duplicates, write_model_files
+from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
 from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
 
+if TYPE_CHECKING:
+    from finetune.peft.base import FullFineTune
+
 
 PROGRESS_FILE = "training_progress.json"
-MODEL_CONFIG_DIR = "model_config"
 PREFIX = "step_"
 FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
@@ -201,7 +203,7 @@ class StoredState:
       state dict under each of its names, and DCP would write every one (+21%
       of SmolLM2-135M's checkpoint): kept under its first name only, and
       loaded once under it, which restores the tie;
-    - frozen parameters (a LoRA run's base) never change: they come from
+    - frozen parameters (the base under adapters) never change: they come from
       --model, so a load keeps the live ones.
     Everything else (the end-of-run gather, exports) sees the whole state."""
 
@@ -249,14 +251,12 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
-                 base_record: dict | None = None, backend: Backend | None = None):
+                 method: "FullFineTune", backend: Backend | None = None):
         self.accelerator = accelerator
         self.backend = backend or Backend()  # the layout this run writes and reads
-        unwrapped = accelerator.unwrap_model(model)
+        self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
+        self.unwrapped = unwrapped = accelerator.unwrap_model(model)
         self.stored = StoredState(unwrapped)
-        # LoRA runs: the adapters' peft config and which base they belong to, written next to the HF config.
-        self.adapter_config = getattr(unwrapped, "peft_config", {}).get(lora.ADAPTER_NAME)
-        self.base_record = base_record
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.every_epochs = every_epochs
@@ -343,12 +343,8 @@ class CheckpointManager:
         (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
-        if self.adapter_config is None:  # a LoRA export builds its base, which knows its ties
-            tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
-            (tmp / MODEL_CONFIG_DIR / TIED_FILE).write_text(json.dumps(tied, indent=2))
-        else:
-            self.adapter_config.save_pretrained(str(tmp / MODEL_CONFIG_DIR))
-            (tmp / MODEL_CONFIG_DIR / lora.BASE_RECORD).write_text(json.dumps(self.base_record))
+        tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
+        self.method.write_checkpoint_files(tmp / MODEL_CONFIG_DIR, self.unwrapped, tied)
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
         if target.exists():  # not this run's (start_timeline moved its predecessors aside)
             self._set_aside([target])
@@ -373,9 +369,7 @@ class CheckpointManager:
                       "for damage")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
         self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc)
-        if self.base_record is not None:
-            recorded = lora.read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / lora.BASE_RECORD)
-            lora.check_same_base(recorded, self.base_record, checkpoint_dir)
+        self.method.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)
         start = time.perf_counter()
         with self.stored.applied(), self.backend.loading_checkpoint():
             acc.load_state(str(checkpoint_dir))

@@ -155,11 +155,19 @@ def launch_option_message(argv: list[str], index: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add_command in (_add_train, _add_resume, _add_export, _add_generate, _add_evaluate, _add_configs,
+                        _add_estimate_memory):
+        add_command(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="fine-tune a model (launch with accelerate launch for FSDP)")
     _add_config_options(train)
     train.set_defaults(func=cmd_train, subparser=train)
 
+
+def _add_resume(sub) -> None:
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint, with optional overrides")
     resume.add_argument("run_dir", help="a run directory holding run_config.yaml and checkpoints/")
     relaunch = resume.add_argument_group(
@@ -172,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(resume, config_file=False)
     resume.set_defaults(func=cmd_resume, subparser=resume)
 
+
+def _add_export(sub) -> None:
     export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir (one process, CPU)")
     export.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
                         help="a checkpoints/step_NNNNNN dir, or a run dir (its newest complete checkpoint)")
@@ -193,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "PeftModel.from_pretrained(base, DIR) (default: False)")
     export.set_defaults(func=cmd_export, subparser=export)
 
+
+def _add_generate(sub) -> None:
     generate = sub.add_parser("generate", help="generate text from a model dir")
     generate.add_argument("model_dir", help="an exported model dir, a run's final/, or a .gguf file")
     generate.add_argument("--prompt", required=True, help="text to continue, or with --chat the user's message")
@@ -207,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(func=cmd_generate, subparser=generate)
 
+
+def _add_evaluate(sub) -> None:
     evaluate = sub.add_parser(
         "evaluate", help="perplexity (causal LM) or accuracy (image classifier) of a model dir",
         description="Without --dataset, a model a finetune run wrote is scored on the data that run evaluated on "
@@ -232,11 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
+
+def _add_configs(sub) -> None:
     configs = sub.add_parser("configs", help="list the accelerate configs shipped with finetune, or print one's path")
     configs.add_argument("--path", metavar="NAME", default=None,
                          help="print only the path of this config (e.g. fsdp), for accelerate launch --config_file")
     configs.set_defaults(func=cmd_configs, subparser=configs)
 
+
+def _add_estimate_memory(sub) -> None:
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
     memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
     memory.add_argument("--num_processes", type=positive_int, default=None, help="ranks (default: the accelerate config's, else 2)")
@@ -264,7 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
                         help="say which strategies fit in this much memory per device (default: None)")
     memory.set_defaults(func=cmd_estimate_memory, subparser=memory)
-    return parser
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -396,22 +413,20 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
-    lora = None
-    if args.peft != "none":
-        from finetune.models.lora import lora_config
-
-        defaults = TrainConfig()
-        lora = lora_config(args.lora_r, defaults.lora_alpha, defaults.lora_dropout, args.lora_target_modules)
-    elif args.lora_r != TrainConfig().lora_r or args.lora_target_modules != TrainConfig().lora_target_modules:
+    if args.peft == "none" and (args.lora_r != TrainConfig().lora_r
+                                or args.lora_target_modules != TrainConfig().lora_target_modules):
         raise UsageError("--lora_r and --lora_target_modules apply to --peft lora or qlora; add it or drop them")
-    shape = model_shape(args.model, lora, four_bit_over=num_processes if args.peft == "qlora" else 0)
-    ram_efficient_loading = launch.ram_efficient_loading and args.peft != "qlora"  # QLoRA: each rank quantises its own copy
+    from finetune.peft import method_for
+
+    method = method_for(TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
+    shape = model_shape(args.model, method, num_processes)
+    ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size, weight_bytes, ram_efficient_loading)
-    # DeepSpeed: every rank loads the whole model (ZeRO-3's final save, which
-    # gathers it on the main process, is not modelled).
-    host = host_ram(shape, num_processes, num_processes > 1 and launch.strategy.startswith("FSDP"),
+    # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
+    # final save, which gathers it on the main process, is not modelled).
+    host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     if args.accelerate_config:
@@ -456,7 +471,7 @@ def keep_torchao_out_of_transformers() -> None:
     installed (the qlora extra), for checkpoints torchao quantised: 0.3 s per
     process here, and on machines without CUDA a log line for each of its CUDA
     kernels. finetune never loads such checkpoints, and a QLoRA run imports
-    torchao's NF4 itself (finetune/models/lora.py), so transformers is told it
+    torchao's NF4 itself (finetune/peft/qlora.py), so transformers is told it
     is not there. Runs before anything imports transformers' model code."""
     if "transformers.modeling_utils" in sys.modules:
         return

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 
 from finetune.host_memory import MIB
-from finetune.models.lora import NF4_BYTES_PER_WEIGHT
 
 GIB = 1024**3
 
@@ -35,8 +34,9 @@ class ModelShape:
     hidden: int
     vocab: int
     heap_params: int = 0  # parameters in tensors small enough (in fp32) to come from the heap
-    trainable: int = 0    # parameters with gradients and optimizer state (all but a LoRA run's frozen base)
-    four_bit: int = 0     # frozen parameters a QLoRA run holds as NF4
+    trainable: int = 0    # parameters with gradients and optimizer state (all but a frozen base under adapters)
+    four_bit: int = 0     # frozen parameters held in 4 bits
+    four_bit_bytes_per_weight: float = 0.0  # what each of those takes, their scales included
     largest_tensor: int = 0  # elements of the largest parameter
     own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
 
@@ -81,9 +81,9 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
 
 def frozen_bytes(shape: ModelShape, weight_bytes: int, ranks: int = 1) -> int:
     """A rank's share of the frozen base (none in a full fine-tune): `weight_bytes`
-    per parameter, and NF4's size for a QLoRA run's 4-bit ones."""
+    per parameter, and the 4-bit size for those held in 4 bits."""
     frozen = shape.params - (shape.trainable or shape.params)
-    return weight_bytes * -(-(frozen - shape.four_bit) // ranks) + math.ceil(NF4_BYTES_PER_WEIGHT * shape.four_bit / ranks)
+    return weight_bytes * -(-(frozen - shape.four_bit) // ranks) + math.ceil(shape.four_bit_bytes_per_weight * shape.four_bit / ranks)
 
 
 def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -19,9 +18,9 @@ from finetune.backends.base import Backend
 from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError
-from finetune.model_dir import Weights, atomic_dir, check_output_dir, read_tied, write_model_dir
+from finetune.model_dir import check_output_dir, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
-from finetune.models.lora import ADAPTER_CONFIG, BASE_RECORD
+from finetune.peft import method_of_checkpoint
 from finetune.tasks import task_for_config
 from finetune.verify import verify_manifest
 
@@ -61,8 +60,9 @@ def run_data(checkpoint_dir: Path) -> dict | None:
 
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
                       model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False) -> Path:
-    """The checkpoint as a HF model dir; a LoRA run's with its adapters merged
-    into the base, or (adapter_only) as a peft adapter dir."""
+    """The checkpoint as a HF model dir, as the fine-tuning method that wrote
+    it saves its model (adapters merged into their base), or (adapter_only)
+    the adapters alone."""
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
@@ -71,11 +71,12 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     # What the export reads, against the checksums the checkpoint recorded (checkpoints without a manifest predate them).
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR))
     model_files = checkpoint_dir / MODEL_CONFIG_DIR
-    adapters = (model_files / ADAPTER_CONFIG).is_file()  # a LoRA run's: the adapters, without their base
-    if adapter_only and not adapters:
+    method = method_of_checkpoint(model_files)
+    if adapter_only and not method.saves_adapters:
         raise UsageError(f"{checkpoint_dir} is a full fine-tune's checkpoint: it holds the whole model and no "
                          "adapters; export it without --adapter_only")
-    base_model, model = (model, None) if adapters else (None, model)  # --model: the base to merge into, for LoRA
+    # --model: the base to merge the adapters into, else where the config comes from
+    base_model, model = (model, None) if method.saves_adapters else (None, model)
     config_source = model or (str(model_files) if model_files.is_dir() else None)
     if config_source is None:
         raise UsageError(f"{checkpoint_dir} has no {MODEL_CONFIG_DIR}/ (not written by finetune); pass --model with "
@@ -92,11 +93,12 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
         generation_config = GenerationConfig.from_pretrained(config_source)
     except OSError:
         generation_config = None
-    if adapters and adapter_only:
-        return write_adapter_dir(checkpoint_dir, backend.export_weights(weights), output)
-    model_weights = (merged_weights(checkpoint_dir, backend.export_weights(weights), tokenizer, base_model) if adapters
-                     else backend.export_weights(weights))
-    tied = read_tied(model_files) if config_source == str(model_files) and not adapters else None
+    if adapter_only:
+        return method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
+    task = run_task(checkpoint_dir, base_model) if method.saves_adapters else None
+    model_weights = method.export_weights(checkpoint_dir, backend.export_weights(weights),
+                                          lambda: task.base_model(tokenizer), task and task.model_source)
+    tied = read_tied(model_files) if config_source == str(model_files) and not method.saves_adapters else None
     try:
         return write_model_dir(model_weights, config, output, tokenizer=tokenizer, generation_config=generation_config,
                                run_data=run_data(checkpoint_dir), dtype=dtype,
@@ -107,34 +109,12 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
                          "--output") from None
 
 
-def write_adapter_dir(checkpoint_dir: Path, adapter: Weights, output: Path) -> Path:
-    """adapter_config.json + adapter_model.safetensors, which `PeftModel.from_pretrained(base, output)` loads."""
-    from peft import LoraConfig
-
-    from finetune.models.lora import read_base_record, write_adapter
-
-    config = LoraConfig.from_pretrained(str(checkpoint_dir / MODEL_CONFIG_DIR))
-    base = read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / BASE_RECORD)
-    with atomic_dir(output) as tmp:
-        write_adapter(adapter.fetch(list(adapter.specs)), config, tmp, base_model=base.get("model", ""))
-    return output
-
-
-def merged_weights(checkpoint_dir: Path, adapter: Weights, tokenizer, base_model: str | None) -> dict[str, torch.Tensor]:
-    """The run's base (or --model), checked against the one the adapters were
-    trained on, with the adapters merged in by peft. The base is held whole in
-    memory once, in fp32."""
-    from peft import LoraConfig
-
-    from finetune.models.lora import base_record, check_same_base, merged_state_dict, read_base_record
+def run_task(checkpoint_dir: Path, base_model: str | None):
+    """The task of the run that wrote a checkpoint, which builds its base (or --model's)."""
     from finetune.tasks.base import build_task
 
-    recorded = read_base_record(checkpoint_dir / MODEL_CONFIG_DIR / BASE_RECORD)
     cfg = load_config(checkpoint_dir / "run_config.yaml", {"model": base_model} if base_model else {})
     task = build_task(cfg)
     if is_gguf(cfg.model):
         task.model_source = str(converted_dir(cfg.model))
-    base = task.base_model(tokenizer)
-    check_same_base(recorded, base_record(task.model_source, base), checkpoint_dir)
-    config = LoraConfig.from_pretrained(str(checkpoint_dir / MODEL_CONFIG_DIR))
-    return merged_state_dict(base, adapter.fetch(list(adapter.specs)), config)
+    return task

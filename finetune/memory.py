@@ -2,8 +2,8 @@
 gathered FSDP units and activations will take under each strategy.
 
 Persistent state with AdamW and fp32 master weights is 16 bytes per parameter
-(4 weights + 4 gradients + 8 moments); with LoRA, the frozen base has only its
-4 bytes of weights (with QLoRA, the adapted ones about half a byte), and the adapters the whole 16. DDP keeps all of it on every device;
+(4 weights + 4 gradients + 8 moments); with adapters, the frozen base has only its
+4 bytes of weights (about half a byte where held in 4 bits), and the adapters the whole 16. DDP keeps all of it on every device;
 FSDP keeps 1/N of it and, while a unit computes, a gathered copy of that unit in
 the compute dtype (two units with prefetch). SHARD_GRAD_OP keeps every unit
 gathered from forward to backward. Offload moves the persistent state to CPU
@@ -31,7 +31,7 @@ Host RAM at load and at the final save (`host_ram`), per rank above the runtime:
                  flight); without the flag every rank loads the whole model
     final save   the main process holds one output file (--max_shard_size) and
                  the tensor being gathered; the others the gathered tensor
-                 (twice: all-gather output and its padded buffer); a LoRA
+                 (twice: all-gather output and its padded buffer); an adapter
                  run's merge adds a merged copy of the tensor
 """
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -55,13 +56,16 @@ from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
+if TYPE_CHECKING:
+    from finetune.peft.base import FullFineTune
 
-def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> ModelShape:
+
+def model_shape(name_or_path: str, method: "FullFineTune | None" = None, num_processes: int = 1) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
-    are estimated. With a peft LoraConfig, the adapters peft would add are
-    counted too, and only they are trainable; with `four_bit_over` ranks
-    (QLoRA), the adapted weights NF4 can shard over them are counted apart."""
+    are estimated. The fine-tuning `method` shapes the model as it would train
+    it (adapters added and trainable, the base frozen, some of it in 4 bits
+    over `num_processes`)."""
     causal_lm = REGISTRY["causal-lm"]
     if name_or_path in GPT2_PRESETS:
         config = GPT2Config(**GPT2_PRESETS[name_or_path])
@@ -80,16 +84,7 @@ def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> 
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     with torch.device("meta"):
         model = causal_lm.auto().from_config(config)
-    four_bit = 0
-    if lora_config is not None:
-        from finetune.models import lora
-
-        if four_bit_over:
-            lora.linears_for_conv1d(model)
-        model = lora.add_adapters(model, lora_config)
-        if four_bit_over:
-            four_bit = sum(layer.weight.numel() for layer in lora.adapted_layers(model).values()
-                           if lora.nf4_fits(layer.weight.shape, four_bit_over))
+    model, four_bit = method.plan_model(model, num_processes) if method else (model, 0)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -98,6 +93,7 @@ def model_shape(name_or_path: str, lora_config=None, four_bit_over: int = 0) -> 
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
                       trainable=sum(p.numel() for p in unique.values() if p.requires_grad), four_bit=four_bit,
+                      four_bit_bytes_per_weight=method.four_bit_bytes_per_weight if method else 0.0,
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
@@ -113,6 +109,7 @@ class LaunchConfig:
     mixed_precision: str = "bf16"
     strategy: str = "FSDP full shard"
     ram_efficient_loading: bool = True  # fsdp_cpu_ram_efficient_loading, as in fsdp.yaml
+    keeps_a_shard_when_loaded: bool = True  # each rank keeps its shard of the weights (FSDP), not all of them
 
 
 def read_launch_config(path: str | None) -> LaunchConfig:
@@ -128,7 +125,8 @@ def read_launch_config(path: str | None) -> LaunchConfig:
                         # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)
                         mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16",
                         strategy=backend.strategy(launch, Path(path)),
-                        ram_efficient_loading=backend.ram_efficient_loading(launch))
+                        ram_efficient_loading=backend.ram_efficient_loading(launch),
+                        keeps_a_shard_when_loaded=backend.keeps_a_shard_when_loaded)
 
 
 @dataclass
@@ -154,15 +152,15 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
         load_main, load_other = full + shard, shard + weight_bytes * shape.largest_tensor
     else:
         loading, load_main, load_other = "every rank loads the whole model, then keeps its shard", full + shard, full + shard
-    if shape.four_bit:  # QLoRA: final/ merges the adapters into the base reloaded whole on the main process
+    if shape.four_bit:  # final/ merges the adapters into the base reloaded whole on the main process
         return HostRam(loading, load_main, load_other, full + weight_bytes * shape.largest_tensor, 0)
-    # final/ is written in fp32 (a LoRA run's frozen base in its own dtype), one
+    # final/ is written in fp32 (a frozen base under adapters in its own dtype), one
     # file at a time; unsharded tensors are written as they are, without a copy.
-    lora = 0 < shape.trainable < shape.params
-    state_bytes = weight_bytes if lora else 4
+    adapters = 0 < shape.trainable < shape.params
+    state_bytes = weight_bytes if adapters else 4
     state, gathered = state_bytes * shape.params, (state_bytes * shape.largest_tensor if sharded else 0)
-    merged_copy = state_bytes * shape.largest_tensor if lora else 0  # each adapted tensor is merged into a new copy
-    save_main = min(max_shard_size, state) + gathered + merged_copy if sharded or lora else 0
+    merged_copy = state_bytes * shape.largest_tensor if adapters else 0  # each adapted tensor is merged into a new copy
+    save_main = min(max_shard_size, state) + gathered + merged_copy if sharded or adapters else 0
     return HostRam(loading, load_main, load_other, save_main, 2 * gathered)
 
 
@@ -170,8 +168,8 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
              ram_efficient_loading: bool = True) -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
-    of a LoRA run stays so; trainable parameters are fp32 under mixed precision
-    (Accelerate upcasts them) and LoRA adapters always are (peft upcasts them)."""
+    under adapters stays so; trainable parameters are fp32 under mixed precision
+    (Accelerate upcasts them) and adapters always are (the adapter library upcasts them)."""
     n = num_processes
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params

@@ -25,6 +25,8 @@ from finetune.errors import UsageError
 from finetune.lock import process_alive
 from finetune.tasks import task_for_config
 
+MODEL_CONFIG_DIR = "model_config"  # in every checkpoint: what an export needs besides the weights
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

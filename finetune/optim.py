@@ -16,7 +16,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     the lectures' Adam with L2 decay on every parameter. Both fused: one kernel
     for all parameters instead of about ten ops per parameter, which matters
     most for sharded (DTensor) parameters, where each op is dispatched in Python.
-    Frozen parameters (a LoRA run's base) get no optimizer state."""
+    Frozen parameters (the base under adapters) get no optimizer state."""
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "adam":
         return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, betas=betas,

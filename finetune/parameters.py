@@ -37,8 +37,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def held_bytes(t: torch.Tensor) -> int:
-    """The bytes a tensor holds; a subclass's are its inner tensors' (a QLoRA
-    base weight: 4-bit codes and their scales, not numel x its bf16 dtype)."""
+    """The bytes a tensor holds; a subclass's are its inner tensors' (a 4-bit
+    base weight: its codes and their scales, not numel x its bf16 dtype)."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         inner, _ = t.__tensor_flatten__()
         return sum(held_bytes(getattr(t, name)) for name in inner)

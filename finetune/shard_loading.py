@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import PretrainedConfig
@@ -112,7 +113,7 @@ def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
 
 def base_name(name: str) -> str:
     """A live parameter's name as the pretrained model's own: without the
-    wrappers (canonical_name) and without peft's `base_model.model.` and `.base_layer`."""
+    wrappers (canonical_name) and without the adapter wrapper's `base_model.model.` and `.base_layer`."""
     name = canonical_name(name)
     name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
@@ -160,19 +161,19 @@ class OwnShards:
         return cls(sources, load_dtype)
 
     @torch.no_grad()
-    def fill(self, model: torch.nn.Module) -> None:
+    def fill(self, model: torch.nn.Module, added: Callable[[str], bool] = lambda name: False) -> None:
         """Read into every parameter and persistent buffer of the sharded model
         the rows this rank keeps, cast as from_pretrained(dtype=--model_dtype)
         casts them, then to the tensor's dtype (fp32 under mixed precision).
-        LoRA adapters are not in the files: peft initialised them, the same
-        on every rank."""
+        What the fine-tuning method `added` (adapters) is not in the files: it
+        was initialised the same on every rank."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         for name, target in model.state_dict(keep_vars=True).items():  # the live (sharded) tensors themselves
             source = self.sources.get(base_name(name))
             if source is None:
-                if "lora_" in name:
+                if added(name):
                     continue
                 raise RuntimeError(f"{name} is not in the pretrained files")
             local, offset = target, (0,) * target.dim()

@@ -34,22 +34,21 @@ from tqdm.auto import tqdm
 
 from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_dir, checkpoint_step,
                                  complete_checkpoints, resolve_checkpoint, saved_config)
-from finetune.config import TrainConfig, byte_count, data_options, defaults_note, resume_changes
+from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
-from finetune.collectives import WriteFailed, gather_ints, on_every_rank, serve_full_tensors
+from finetune.collectives import WriteFailed, gather_ints, on_every_rank
 from finetune.errors import Stopped, UsageError
 from finetune.hardware import slow_bf16_warning
 from finetune.host_memory import HostMemory, peak_memory_bytes, resident_bytes
 from finetune.launch import record as launch_record
 from finetune.liveness import Heartbeats, is_collective_timeout
 from finetune.lock import RunLock
-from finetune.model_dir import Weights, write_model_dir
-from finetune.models.lora import check_supported_here, merged_state_dict, merged_weights
+from finetune.final_model import write_final_model
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
-from finetune.parameters import canonical_name, full_numel
+from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
 from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, say, step_line, truncate_metrics, write_summary)
@@ -126,7 +125,8 @@ def train(cfg: TrainConfig) -> dict:
     host = HostMemory()
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
-    check_supported_here(cfg.peft)
+    task = build_task(cfg)
+    task.method.check_supported_here()
     run_dir = Path(cfg.output_dir)
     fresh_run_dir = not run_dir.exists()
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
@@ -137,7 +137,7 @@ def train(cfg: TrainConfig) -> dict:
         quiet_library_bars()  # only the main process shows progress, and only on a terminal
     try:
         with RunLock(run_dir, accelerator), StopSignals() as stop:
-            return run_to_the_end(setup_run(cfg, accelerator, backend, stop, heartbeats, host))
+            return run_to_the_end(setup_run(cfg, task, accelerator, backend, stop, heartbeats, host))
     except RuntimeError as e:
         if is_collective_timeout(e):
             raise heartbeats.lost(e) from None
@@ -168,7 +168,7 @@ def run_to_the_end(run: Run) -> dict:
 
 # --- setup ----------------------------------------------------------------------------------------
 
-def setup_run(cfg: TrainConfig, accelerator: Accelerator, backend: Backend, stop: StopSignals,
+def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: Backend, stop: StopSignals,
               heartbeats: Heartbeats, host: HostMemory) -> Run:
     cpu_threads, _ = use_cpu_threads()
     if warning := slow_bf16_warning(accelerator):
@@ -184,7 +184,6 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, backend: Backend, stop
             accelerator.print(f"resume changes {change}")
     set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
-    task = build_task(cfg)
     model, data = task.build(accelerator, backend, run_dir)
     train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
     # The last micro-batches of an epoch make a step even when fewer than
@@ -197,7 +196,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, backend: Backend, stop
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     backend.after_prepare(model)
     if task.own_shards is not None:
-        task.own_shards.fill(model)  # each rank reads the rows of the pretrained weights it keeps
+        task.own_shards.fill(model, task.method.added_by_method)  # each rank reads the rows of the weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
     load_peak_rss = host.peak()
 
@@ -206,7 +205,7 @@ def setup_run(cfg: TrainConfig, accelerator: Accelerator, backend: Backend, stop
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend)},
-            sort_keys=False), tokenizer=data.tokenizer, base_record=task.base_record, backend=backend)
+            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
@@ -293,7 +292,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     layout = run.backend.layout_line(acc, run.shards, run.fsdp_units)
     if (trainable := trainable_params(run.model)) < run.shards.total_params:
-        layout += f", of which {trainable:,} trainable ({run.cfg.peft} adapters on a frozen base)"
+        layout += run.task.method.trainable_note(trainable, run.shards.total_params)
     acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
 
 
@@ -454,65 +453,6 @@ def finish(run: Run) -> dict:
     if run.accelerator.is_main_process:
         write_summary(summary, run.run_dir)
     return summary
-
-
-def write_final_model(run: Run) -> Path:
-    """The trained model as a HF model dir, written by the main process one
-    output file at a time (`--max_shard_size`): the ranks gather the tensors
-    of each file as it is written, so no rank ever holds the whole state. A
-    LoRA run's is the base with the adapters merged in, tensor by tensor, as
-    `merge_and_unload` adds them; a QLoRA run's merges them into its base
-    reloaded from --model, not into the 4-bit copy. Under FSDP1 and ZeRO-3,
-    Accelerate gathers the whole state on the main process first."""
-    acc = run.accelerator
-    final_dir = run.run_dir / "final"
-    live_model = acc.unwrap_model(run.model)
-    hf_config = live_model.config
-    write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
-                         max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
-    if run.cfg.peft == "qlora":
-        # The base trained in 4 bits: the adapters are merged into the weights it was quantised from, as
-        # `finetune export` merges them, on the main process (the base whole, once).
-        adapters = {canonical_name(name): t for name, t in live_model.state_dict().items() if ".lora_" in name}
-
-        def merged(fetch) -> dict[str, torch.Tensor]:
-            return merged_state_dict(run.task.base_model(run.data.tokenizer), fetch(list(adapters)),
-                                     run.checkpoints.adapter_config)
-
-        def write() -> None:
-            serve_full_tensors(acc, adapters, lambda fetch: write_model_dir(merged(fetch), hf_config, final_dir,
-                                                                             **write_options))
-    elif run.backend.gathers_whole_state(acc):
-        # Wrappers (torch.compile under `accelerate launch --dynamo_backend`) can leave their names in the keys.
-        state_dict = {canonical_name(name): tensor for name, tensor in (acc.get_state_dict(run.model) or {}).items()}
-        if acc.is_main_process and run.checkpoints.adapter_config is not None:
-            with torch.device("meta"), run.backend.models_built_whole(acc):
-                base = run.task.entry.auto().from_config(hf_config)
-            state_dict = merged_state_dict(base, state_dict, run.checkpoints.adapter_config)
-
-        def write() -> None:
-            if acc.is_main_process:
-                write_model_dir(state_dict, hf_config, final_dir, **write_options)
-    else:  # FSDP2 (DTensor shards), whole parameters on every rank (DDP, ZeRO-1/2) or one process
-        tensors = {canonical_name(name): t for name, t in live_model.state_dict().items()}
-        specs = {name: (t.shape, t.dtype) for name, t in tensors.items()}
-
-        def weights(fetch) -> Weights:
-            if run.checkpoints.adapter_config is None:
-                return Weights(specs, fetch)
-            layers = {canonical_name(name): module for name, module in live_model.named_modules()}
-            return merged_weights(specs, fetch, layers)
-
-        def write() -> None:
-            serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(weights(fetch), hf_config, final_dir,
-                                                                            **write_options))
-    try:
-        with run.backend.models_built_whole(acc):
-            on_every_rank(acc, write)
-    except WriteFailed as e:
-        raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: free space, "
-                         f"then `finetune export {run.run_dir} --output DIR`") from None
-    return final_dir
 
 
 def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:

@@ -54,7 +54,8 @@ def make_run(run_dir: Path) -> Run:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, 10))
     task = CountingTask(cfg)
     checkpoints = CheckpointManager(accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=0,
-                                    keep_last=0, config_yaml="task: image-classification\n", tokenizer=None)
+                                    keep_last=0, config_yaml="task: image-classification\n", tokenizer=None,
+                                    method=task.method)
     params = sum(p.numel() for p in model.parameters())
     run = Run(cfg=cfg, accelerator=accelerator, backend=OneProcess(), task=task, data=TaskData([], [], None, "none"), model=model,
               optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=None,

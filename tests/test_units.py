@@ -509,7 +509,7 @@ def test_a_lora_checkpoint_holds_the_adapters_only_and_loads_them_into_the_live_
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.checkpoint import StoredState
-    from finetune.models import lora
+    from finetune.peft import lora
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
@@ -620,7 +620,7 @@ def test_merged_weights_equal_peft_merge_and_unload():
     from transformers import LlamaConfig
 
     from finetune.model_dir import Weights
-    from finetune.models.lora import add_adapters, lora_config, merged_weights
+    from finetune.peft.lora import add_adapters, lora_config, merged_weights
 
     torch.manual_seed(0)
     for base in (GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)),
@@ -660,7 +660,7 @@ def test_qlora_quantises_the_adapted_weights_whose_shards_are_whole_nf4_blocks()
     what it did (NF4 rounds each weight to one of 16 levels per block)."""
     pytest.importorskip("torchao")
     from finetune.parameters import held_bytes
-    from finetune.models import lora
+    from finetune.peft import lora, qlora
 
     torch.manual_seed(0)
     # c_attn 128 x 384 (49,152 weights: 3 blocks of 16,384, not splittable over 2 ranks), c_proj 128 x 128
@@ -669,15 +669,15 @@ def test_qlora_quantises_the_adapted_weights_whose_shards_are_whole_nf4_blocks()
     tokens = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         before = model(tokens).logits
-    assert lora.linears_for_conv1d(model) == 4
+    assert qlora.linears_for_conv1d(model) == 4
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, before, rtol=0, atol=1e-5)
 
     model = lora.add_adapters(model, lora.lora_config(4, 8.0, 0.0, "all-linear"))
-    quantized, kept = lora.quantize_adapted_bases(model, world_size=2, device=torch.device("cpu"))
+    quantized, kept = qlora.quantize_adapted_bases(model, world_size=2, device=torch.device("cpu"))
     assert quantized == 2
     assert sorted(name.removeprefix("base_model.model.transformer.h.0.") for name in kept) == ["attn.c_attn", "attn.c_proj"]
-    nf4 = lora.nf4_tensor_class()
+    nf4 = qlora.nf4_tensor_class()
     weights = {name: p for name, p in model.named_parameters() if name.endswith("base_layer.weight")}
     four_bit = {name for name, p in weights.items() if isinstance(p, nf4)}
     assert four_bit == {n for n in weights if ".mlp." in n}

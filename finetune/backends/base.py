@@ -55,7 +55,7 @@ class PlanInputs:
     activations: int
     checkpointed_activations: int
     gather_units: int         # two gathered units in the compute dtype (0 on one process)
-    frozen_whole: int         # the frozen base (LoRA), whole
+    frozen_whole: int         # the frozen base under adapters, whole
     frozen_shard: int         # and a rank's share of it
 
 
@@ -138,7 +138,7 @@ class Backend:
         return False
 
     def leave_loading_to_the_ranks(self, accelerator: Accelerator) -> None:
-        """Each rank reads its own weights after all (its shards, or a QLoRA base it quantises itself)."""
+        """Each rank reads its own weights after all (its shards, or a 4-bit base it quantises itself)."""
 
     def units(self, model: torch.nn.Module) -> int:
         """Modules the auto-wrap policy made into FSDP units; 0 where there are none."""
@@ -230,6 +230,8 @@ class Backend:
         return config
 
     # --- the planner ----------------------------------------------------------------------------
+
+    keeps_a_shard_when_loaded: ClassVar[bool] = False  # each rank keeps only its shard once the weights are in
 
     @classmethod
     def ram_efficient_loading(cls, launch: dict) -> bool:

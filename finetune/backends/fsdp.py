@@ -54,6 +54,7 @@ class FSDP2(Backend):
     weights_name = MODEL_SHARDS_DIR
     weights_described = f"{MODEL_SHARDS_DIR}/ with DCP shards"
     fsdp_version: ClassVar[int] = 2
+    keeps_a_shard_when_loaded = True
 
     @classmethod
     def requested(cls) -> bool:

@@ -19,6 +19,7 @@ from finetune import models
 from finetune.backends.base import Backend
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
+from finetune.peft import method_for
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class Task:
         self.cfg = cfg
         self.model_source = cfg.model  # where --model is read from (a GGUF file's converted dir)
         self._metric: "evaluate.EvaluationModule | None" = None
-        self.base_record: dict | None = None  # LoRA runs: the frozen base's origin, shapes and fingerprint
+        self.method = method_for(cfg)  # --peft: what trains, and how the model is saved
         self.own_shards: "OwnShards | None" = None  # set when each rank reads its shards after `prepare`
 
     @property

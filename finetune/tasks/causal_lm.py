@@ -14,7 +14,6 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
-from finetune.models import lora
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
 from finetune.data.sources import limit_samples
@@ -90,8 +89,7 @@ class CausalLM(Task):
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
         # weights; the others build the architecture and receive their shards in `prepare`.
         from_main = backend.weights_from_main_process(accelerator)
-        if from_main and cfg.peft == "qlora":
-            # 4-bit weights are made where the weights are: every rank loads the base and quantises its own copy.
+        if from_main and self.method.each_rank_loads_the_base:
             backend.leave_loading_to_the_ranks(accelerator)
             from_main = False
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
@@ -99,7 +97,7 @@ class CausalLM(Task):
             if accelerator.mixed_precision != "no":
                 models.upcast_trainable(model, written=accelerator.is_main_process and self.own_shards is None)
             check_same_layout(accelerator, model)
-            self.base_record = broadcast_from_main(self.base_record)  # a preset's fingerprint needs its weights
+            self.method.base_record = broadcast_from_main(self.method.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
                 backend.leave_loading_to_the_ranks(accelerator)
         splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
@@ -168,7 +166,8 @@ class CausalLM(Task):
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
         models.fuse_activations(model)
-        return tokenizer, self._with_adapters(model, accelerator, record_base=accelerator.is_main_process or not from_main)
+        return tokenizer, self.method.wrap(model, self.model_source, accelerator,
+                                           record_base=accelerator.is_main_process or not from_main)
 
     def base_model(self, tokenizer: PreTrainedTokenizerBase | None, weights_here: bool = True) -> PreTrainedModel:
         """The weights a run starts from: a preset built from the seed (the same on
@@ -182,28 +181,6 @@ class CausalLM(Task):
             set_seed(self.cfg.seed)
             return models.build_gpt2(config).to(dtype)
         return self.pretrained_model(weights_here)
-
-    def _with_adapters(self, model: PreTrainedModel, accelerator: Accelerator, record_base: bool) -> PreTrainedModel:
-        """--peft lora: adapters on a frozen base, whose origin the checkpoints
-        record; --peft qlora: the same, with the adapted layers' base weights in 4 bits."""
-        cfg = self.cfg
-        if cfg.peft == "none":
-            return model
-        if record_base:
-            self.base_record = lora.base_record(self.model_source, model)
-        if cfg.peft == "qlora":
-            if accelerator.num_processes > 1 and not accelerator.is_fsdp2:
-                raise UsageError("--peft qlora shards its 4-bit base with FSDP2 only; launch with "
-                                 "accelerate_configs/fsdp.yaml, or on one process")
-            lora.linears_for_conv1d(model)
-        model = lora.add_adapters(model, lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                                          cfg.lora_target_modules))
-        if cfg.peft == "qlora":
-            quantized, kept = lora.quantize_adapted_bases(model, accelerator.num_processes, accelerator.device)
-            accelerator.print(f"4-bit (NF4) base weights in {quantized} of {quantized + len(kept)} adapted layers"
-                              + (f"; {len(kept)} keep --model_dtype, their shards not being whole blocks of "
-                                 f"{lora.NF4_BLOCK * lora.NF4_SCALER_BLOCK} weights (first: {kept[0]})" if kept else ""))
-        return model
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
         if self.cfg.block_size > model.config.max_position_embeddings:

@@ -1,10 +1,9 @@
-"""LoRA adapters through peft: adding them to a model, the base's fingerprint,
-an adapter dir that `PeftModel.from_pretrained` loads, and merging adapters
-into their base.
-
-Nothing here knows of training or sharding: the training loop sees a model
-whose base parameters are frozen (requires_grad False) and whose adapters are
-not, and checkpoint.py stores only the latter.
+"""`--peft lora`: low-rank adapters through peft on a frozen base. The loop
+sees a model whose base parameters are frozen (requires_grad False) and whose
+adapters are not; checkpoints store only the adapters, with the base's
+fingerprint; the final model and `finetune export` merge them into the base
+(`merged_weights`, the one merge), or export them as an adapter dir that
+`PeftModel.from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -12,17 +11,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from finetune.errors import UsageError
+from finetune.model_dir import MODEL_CONFIG_DIR, Weights, atomic_dir
+from finetune.parameters import canonical_name
+from finetune.peft.base import FullFineTune
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
     from transformers import PreTrainedModel
 
 # peft imports torchao wherever it is installed (the qlora extra). Without CUDA, torchao logs each of its
@@ -34,19 +36,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_RECORD = "peft_base.json"  # in a checkpoint's model_config/: which base the adapters belong to
 ADAPTER_NAME = "default"        # peft's name for the one adapter; its saved files leave it out of the keys
-
-
-QLORA_ON_CPU = "FINETUNE_QLORA_ON_CPU"  # "1": run QLoRA's code path on CPU, to test it where no GPU is
-
-
-def check_supported_here(peft: str) -> None:
-    """Before any process group starts: what this machine cannot run."""
-    if peft != "qlora":
-        return
-    if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
-        raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use --peft lora")
-    require_peft("qlora")
-    nf4_tensor_class()
 
 
 @contextmanager
@@ -94,6 +83,13 @@ def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
         return get_peft_model(model, config)
 
 
+def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The base layer of each module peft put adapters on, by the module's name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module.get_base_layer() for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
 def saved_name(live_name: str) -> str:
     """An adapter tensor's key in peft's saved files (peft drops the adapter's name)."""
     return live_name.replace(f".{ADAPTER_NAME}.", ".")
@@ -110,32 +106,12 @@ def write_adapter(adapter: dict[str, torch.Tensor], config, out_dir: Path, base_
               metadata={"format": "pt"})
 
 
-def merged_state_dict(base: PreTrainedModel, state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """peft's own merge (`merge_and_unload`) of adapters into `base`. `state`
-    holds peft's names: the adapters alone (base holds real weights), or a
-    PeftModel's whole state (base may be on the meta device); its tensors are
-    taken as they are, not copied."""
-    from peft import get_peft_model
-
-    with quiet_peft():
-        peft_model = get_peft_model(base, config)
-    missing, unexpected = peft_model.load_state_dict(state, strict=False, assign=True)
-    absent = [name for name in missing if ".lora_" in name]
-    if unexpected or absent:
-        raise UsageError(f"the adapters do not fit the base model ({(unexpected or absent)[0]} does not match); merge "
-                         "with the base the run was trained from (--model)")
-    base.tie_weights()  # assign replaced the tied tensors one by one
-    return peft_model.merge_and_unload().state_dict()
-
-
 def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layers: dict[str, torch.nn.Module]):
     """The merged model's tensors, computed a few at a time as they are
     fetched, from a PeftModel's (`live`: shapes and dtypes under peft's names;
     `fetch(names)` returns those tensors whole; `layers`: its modules by name):
     a target's base weight plus its adapter's delta, as peft's
     `merge_and_unload` adds it; every other tensor as it is."""
-    from finetune.model_dir import Weights
-
     prefix = "base_model.model."
     sources: dict[str, list[str]] = {}  # the merged model's name -> the live tensors it is made of
     for name in live:
@@ -170,84 +146,6 @@ def _delta_weight(layer, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Te
     a, b = (lora_a.float(), lora_b.float()) if cast_to_fp32 else (lora_a, lora_b)
     delta = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER_NAME]
     return delta.to(lora_b.dtype) if cast_to_fp32 else delta
-
-
-# --- QLoRA: the adapted layers' base weights in 4 bits ---------------------------------------------
-#
-# torchao's NF4Tensor (the QLoRA paper's 4-bit NormalFloat with double
-# quantisation) rather than bitsandbytes' Params4bit: it is a tensor subclass
-# FSDP2 shards and all-gathers in its 4-bit form (fsdp_pre/post_all_gather),
-# works on any device, and dequantises inside F.linear. bitsandbytes' 4-bit
-# parameters are not DTensor-aware; Accelerate leaves them out of sharding.
-
-NF4_BLOCK = 64           # weights per absmax scale
-NF4_SCALER_BLOCK = 256   # scales per second-level scale (double quantisation)
-# 4-bit codes, an int8 scale per block and an fp32 scale per NF4_SCALER_BLOCK scales
-NF4_BYTES_PER_WEIGHT = (4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_SCALER_BLOCK)) / 8
-
-
-def nf4_tensor_class():
-    """torchao's NF4Tensor, or one line saying how to install it."""
-    try:
-        try:
-            from torchao.quantization import NF4Tensor
-        except ImportError:  # older torchao kept it with its dtypes
-            from torchao.dtypes import NF4Tensor
-    except ImportError:
-        raise UsageError("--peft qlora needs torchao for its 4-bit weights: pip install 'finetune[qlora]' "
-                         "(or pip install torchao)") from None
-    return NF4Tensor
-
-
-def linears_for_conv1d(model: torch.nn.Module) -> int:
-    """GPT-2's Conv1D layers (y = x W + b, W stored [in, out]) as nn.Linear with
-    W transposed: the same function, in the layout NF4 multiplies. peft's
-    adapters have the same shapes either way; only the saved config's
-    fan_in_fan_out differs, which peft sets itself when merging into Conv1D."""
-    from transformers.pytorch_utils import Conv1D
-
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, Conv1D):
-                linear = torch.nn.Linear(child.nx, child.nf, device="meta")
-                linear.weight = torch.nn.Parameter(child.weight.detach().t().contiguous(), child.weight.requires_grad)
-                linear.bias = child.bias
-                setattr(module, name, linear)
-                swapped += 1
-    return swapped
-
-
-def quantize_adapted_bases(model: torch.nn.Module, world_size: int, device: torch.device) -> tuple[int, list[str]]:
-    """Each adapted layer's frozen base weight as NF4, quantised on `device`.
-    NF4 keeps one scale per NF4_BLOCK weights and one second-level scale per
-    NF4_SCALER_BLOCK scales, and FSDP splits its rows evenly over the ranks, so
-    a weight whose shard is not whole second-level blocks stays as it was.
-    Returns how many were quantised and the names of the layers kept."""
-    nf4 = nf4_tensor_class()
-    quantized, kept = 0, []
-    for name, layer in adapted_layers(model).items():
-        weight = layer.weight
-        if not nf4_fits(weight.shape, world_size):
-            kept.append(name)
-            continue
-        four_bit = nf4.from_tensor(weight.detach().to(device), NF4_BLOCK, NF4_SCALER_BLOCK)
-        layer.weight = torch.nn.Parameter(four_bit, requires_grad=False)
-        quantized += 1
-    return quantized, kept
-
-
-def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The base layer of each module peft put adapters on, by the module's name."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: module.get_base_layer() for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-
-
-def nf4_fits(shape: torch.Size, world_size: int) -> bool:
-    """A 2-D weight whose rows split evenly over the ranks into whole second-level blocks."""
-    return (len(shape) == 2 and shape[0] % world_size == 0
-            and shape.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK * world_size) == 0)
 
 
 # --- which base the adapters belong to -------------------------------------------------------------
@@ -325,3 +223,105 @@ def read_base_record(path: Path) -> dict:
         raise UsageError(f"{path} is missing or damaged; it says which base model the adapters belong to: resume or "
                          "export from another checkpoint") from None
     return record if isinstance(record, dict) else {}
+
+
+def merged_into(base: PreTrainedModel, adapters: dict[str, torch.Tensor], config) -> Weights:
+    """`base` with the adapters (peft's names) merged in by `merged_weights`,
+    a tensor at a time: the base's own weights, not a 4-bit copy of them."""
+    from peft import get_peft_model
+
+    with quiet_peft():
+        peft_model = get_peft_model(base, config)
+    missing, unexpected = peft_model.load_state_dict(adapters, strict=False)
+    absent = [name for name in missing if ".lora_" in name]
+    if unexpected or absent:
+        raise UsageError(f"the adapters do not fit the base model ({(unexpected or absent)[0]} does not match); merge "
+                         "with the base the run was trained from (--model)")
+    tensors = peft_model.state_dict()
+    layers = dict(peft_model.named_modules())
+    return merged_weights({name: (t.shape, t.dtype) for name, t in tensors.items()},
+                          lambda names: {name: tensors[name] for name in names}, layers)
+
+
+class LoRA(FullFineTune):
+    """Adapters on a frozen base, whose origin the checkpoints record."""
+    name = "lora"
+    extra = "lora"
+    saves_adapters = True
+
+    def check_supported_here(self) -> None:
+        require_peft(self.name)
+
+    def config(self):
+        cfg = self.cfg
+        return lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+
+    def adapt_base(self, model: PreTrainedModel) -> PreTrainedModel:
+        """The base as the adapters go onto it."""
+        return model
+
+    def wrap(self, model: PreTrainedModel, source: str, accelerator: Accelerator, record_base: bool) -> PreTrainedModel:
+        if record_base:  # the base as loaded, before anything changes it
+            self.base_record = base_record(source, model)
+        return add_adapters(self.adapt_base(model), self.config())
+
+    def trainable_note(self, trainable: int, total: int) -> str:
+        return f", of which {trainable:,} trainable ({self.name} adapters on a frozen base)"
+
+    def adapters_off(self, model: torch.nn.Module):
+        """peft's own switch: the base's forward, the adapters kept."""
+        return model.disable_adapter()
+
+    def added_by_method(self, name: str) -> bool:
+        return ".lora_" in name or name.startswith("lora_")
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def write_checkpoint_files(self, model_files: Path, model: torch.nn.Module, tied: dict[str, str]) -> None:
+        """The adapters' peft config and which base they belong to (an export
+        builds that base, which knows its own ties)."""
+        model.peft_config[ADAPTER_NAME].save_pretrained(str(model_files))
+        (model_files / BASE_RECORD).write_text(json.dumps(self.base_record))
+
+    def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None:
+        check_same_base(read_base_record(model_files / BASE_RECORD), self.base_record, checkpoint_dir)
+
+    # --- the final model and the export ---------------------------------------------------------
+
+    def final_weights(self, specs: dict[str, tuple[torch.Size, torch.dtype]], fetch: Callable,
+                      model: torch.nn.Module, base: Callable[[], PreTrainedModel]) -> Weights:
+        """Each adapted weight plus its adapter's delta, as `merge_and_unload` adds it."""
+        return merged_weights(specs, fetch, {canonical_name(name): module for name, module in model.named_modules()})
+
+    @staticmethod
+    def wrote(model_files: Path) -> bool:
+        return (model_files / ADAPTER_CONFIG).is_file()
+
+    def export_weights(self, checkpoint_dir: Path, weights: Weights, base: Callable[[], PreTrainedModel],
+                       base_source: str) -> Weights:
+        """The run's base (or --model), checked against the one the adapters
+        were trained on, with the adapters merged in. The base is held whole in
+        memory once."""
+        from peft import LoraConfig
+
+        model_files = checkpoint_dir / MODEL_CONFIG_DIR
+        recorded = read_base_record(model_files / BASE_RECORD)
+        model = base()
+        check_same_base(recorded, base_record(base_source, model), checkpoint_dir)
+        return merged_into(model, weights.fetch(list(weights.specs)), LoraConfig.from_pretrained(str(model_files)))
+
+    def export_adapter(self, checkpoint_dir: Path, weights: Weights, output: Path) -> Path:
+        """adapter_config.json + adapter_model.safetensors, which `PeftModel.from_pretrained(base, output)` loads."""
+        from peft import LoraConfig
+
+        model_files = checkpoint_dir / MODEL_CONFIG_DIR
+        config = LoraConfig.from_pretrained(str(model_files))
+        recorded = read_base_record(model_files / BASE_RECORD)
+        with atomic_dir(output) as tmp:
+            write_adapter(weights.fetch(list(weights.specs)), config, tmp, base_model=recorded.get("model", ""))
+        return output
+
+    # --- the planner ----------------------------------------------------------------------------
+
+    def plan_model(self, model: torch.nn.Module, num_processes: int) -> tuple[torch.nn.Module, int]:
+        return add_adapters(self.adapt_base(model), self.config()), 0
