@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
+                             TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
@@ -268,7 +269,7 @@ def _add_estimate_memory(sub) -> None:
                              f"(default: {TrainConfig().loss_chunk_size})")
     memory.add_argument("--model_dtype", choices=["float32", "bfloat16"], default="float32",
                         help="as for train: the dtype the weights are held in (default: 'float32')")
-    memory.add_argument("--peft", choices=["none", "lora", "qlora"], default="none",
+    memory.add_argument("--peft", choices=PEFT_METHODS, default="none",
                         help="lora: a frozen base (weights only) and trainable adapters; qlora: the same with the "
                              "adapted base weights in 4 bits (default: 'none')")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,

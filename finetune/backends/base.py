@@ -22,6 +22,7 @@ from finetune.hardware import has_accelerator_device, launched_world_size
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, local_numel, tally
 from finetune.shard_loading import safetensors_weights
+from finetune.verify import check_dcp_dir, check_pickled_file
 
 
 @dataclass
@@ -57,6 +58,9 @@ class PlanInputs:
     gather_units: int         # two gathered units in the compute dtype (0 on one process)
     frozen_whole: int         # the frozen base under adapters, whole
     frozen_shard: int         # and a rank's share of it
+
+
+OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded optimizer
 
 
 class Backend:
@@ -185,10 +189,11 @@ class Backend:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def check_checkpoint_files(self, checkpoint_dir: Path) -> None:
-        """This layout's files, checked before anything is loaded (finetune/verify.py)."""
-        from finetune.verify import check_pickled_file
-
-        if not (checkpoint_dir / "optimizer_0").is_dir():
+        """This layout's files, checked before anything is loaded (finetune/verify.py):
+        the optimizer's, as DCP shards (`optimizer_0/`) or one file."""
+        if (checkpoint_dir / OPTIMIZER_SHARDS_DIR).is_dir():
+            check_dcp_dir(checkpoint_dir / OPTIMIZER_SHARDS_DIR)
+        else:
             check_pickled_file(checkpoint_dir / "optimizer.bin")
 
     def saved_shapes(self, checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:

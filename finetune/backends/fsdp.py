@@ -37,7 +37,6 @@ from finetune.model_dir import Weights
 from finetune.verify import check_dcp_dir
 
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
-OPTIMIZER_SHARDS_DIR = "optimizer_0"
 
 
 def fsdp_requested() -> bool:
@@ -164,9 +163,8 @@ class FSDP2(Backend):
     # --- checkpoints ----------------------------------------------------------------------------
 
     def check_checkpoint_files(self, checkpoint_dir: Path) -> None:
-        for name in (MODEL_SHARDS_DIR, OPTIMIZER_SHARDS_DIR):
-            if (checkpoint_dir / name).is_dir():
-                check_dcp_dir(checkpoint_dir / name)
+        check_dcp_dir(checkpoint_dir / MODEL_SHARDS_DIR)
+        super().check_checkpoint_files(checkpoint_dir)
 
     def saved_shapes(self, checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
         metadata = check_dcp_dir(checkpoint_dir / MODEL_SHARDS_DIR)
