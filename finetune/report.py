@@ -18,7 +18,9 @@ from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, WandBTracker
 from tqdm.auto import tqdm
 
+from finetune.collectives import gather_ints
 from finetune.errors import UsageError
+from finetune.host_memory import peak_memory_bytes
 
 class JSONLTracker(GeneralTracker):
     """metrics.jsonl as an Accelerate tracker: `accelerator.log(values, step)`
@@ -264,3 +266,42 @@ def eval_line(summary: dict) -> str:
     score = (f"{first[metric]:.4f} -> " if first else "") + f"{last[metric]:.4f}"
     loss = (f"{first['eval_loss']:.4f} -> " if first else "") + f"{last['eval_loss']:.4f}"
     return f"validation {metric}: {score} (loss {loss})"
+
+
+def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str, dict[str, int]],
+                trainable: int) -> dict:
+    """summary.json's keys (see the interface's run layout) for a finetune.train.Run
+    at its end; `state` is what each rank holds (the backend's accounting). A
+    collective: every rank calls it."""
+    acc = run.accelerator
+    return {
+        "task": run.cfg.task,
+        "model": run.cfg.model,
+        "data_format": run.data.data_format,
+        "world_size": acc.num_processes,
+        "distributed_type": acc.distributed_type.value,
+        **run.backend.summary_facts(acc),  # fsdp_version, zero_stage
+        "mixed_precision": acc.mixed_precision,
+        "total_params": run.shards.total_params,
+        "trainable_params": trainable,
+        "peft": run.cfg.peft,
+        "fsdp_units": run.fsdp_units,
+        "local_params_per_rank": run.shards.local_params_per_rank,
+        "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc, run.host)),
+        # Host RAM (resident set) per rank: after the imports, its peak until the
+        # model was loaded and sharded, and how far the final save raised it.
+        "rss_after_imports_bytes_per_rank": gather_ints(acc, run.host.at_start),
+        "load_peak_rss_bytes_per_rank": gather_ints(acc, run.load_peak_rss),
+        "final_save_rss_rise_bytes_per_rank": gather_ints(acc, final_save_rss_rise),
+        "state_bytes_per_rank": gather_ints(acc, sum(kind["bytes"] for kind in state.values())),
+        # Parameters, gradients and optimizer state (an engine's fp32 master copies included) per rank.
+        "state_elements_per_rank": {name: gather_ints(acc, state[name]["elements"])
+                                    for name in ("params", "grads", "optimizer")},
+        "train_time_s": run.train_seconds,
+        "steps": run.progress.step,
+        "final_loss": run.last_loss,
+        "metric": run.task.metric_name,
+        "first_eval": run.evals[0][1] if run.evals[0][0] == 0 else None,
+        "last_eval": run.evals[-1][1],
+        "final_model_dir": str(final_dir),
+    }

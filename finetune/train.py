@@ -39,10 +39,10 @@ from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
-from finetune.collectives import WriteFailed, gather_ints, on_every_rank
+from finetune.collectives import WriteFailed, on_every_rank
 from finetune.errors import Stopped, UsageError
 from finetune.hardware import slow_bf16_warning
-from finetune.host_memory import HostMemory, peak_memory_bytes, resident_bytes
+from finetune.host_memory import HostMemory, resident_bytes
 from finetune.launch import record as launch_record
 from finetune.liveness import Heartbeats, is_collective_timeout
 from finetune.lock import RunLock
@@ -50,7 +50,7 @@ from finetune.final_model import write_final_model
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
-from finetune.report import (build_trackers, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
+from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
@@ -449,43 +449,9 @@ def finish(run: Run) -> dict:
     run.checkpoints.maybe_save(run.progress, final=True)
     rss_before_save = run.host.restart()
     final_dir = write_final_model(run)
-    summary = run_summary(run, final_dir, final_save_rss_rise=run.host.peak() - rss_before_save)
+    state = run.state or run.backend.state(run.model, stepping_optimizer(run))
+    summary = run_summary(run, final_dir, final_save_rss_rise=run.host.peak() - rss_before_save, state=state,
+                          trainable=trainable_params(run.model))
     if run.accelerator.is_main_process:
         write_summary(summary, run.run_dir)
     return summary
-
-
-def run_summary(run: Run, final_dir: Path, final_save_rss_rise: int) -> dict:
-    acc = run.accelerator
-    state = run.state or run.backend.state(run.model, stepping_optimizer(run))
-    return {
-        "task": run.cfg.task,
-        "model": run.cfg.model,
-        "data_format": run.data.data_format,
-        "world_size": acc.num_processes,
-        "distributed_type": acc.distributed_type.value,
-        **run.backend.summary_facts(acc),  # fsdp_version, zero_stage
-        "mixed_precision": acc.mixed_precision,
-        "total_params": run.shards.total_params,
-        "trainable_params": trainable_params(run.model),
-        "peft": run.cfg.peft,
-        "fsdp_units": run.fsdp_units,
-        "local_params_per_rank": run.shards.local_params_per_rank,
-        "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc, run.host)),
-        # Host RAM (resident set) per rank: after the imports, its peak until the
-        # model was loaded and sharded, and how far the final save raised it.
-        "rss_after_imports_bytes_per_rank": gather_ints(acc, run.host.at_start),
-        "load_peak_rss_bytes_per_rank": gather_ints(acc, run.load_peak_rss),
-        "final_save_rss_rise_bytes_per_rank": gather_ints(acc, final_save_rss_rise),
-        "state_bytes_per_rank": gather_ints(acc, sum(kind["bytes"] for kind in state.values())),
-        # Parameters, gradients and optimizer state (DeepSpeed's fp32 master copies included) per rank.
-        "state_elements_per_rank": {name: gather_ints(acc, state[name]["elements"])
-                                    for name in ("params", "grads", "optimizer")},
-        "train_time_s": run.train_seconds,
-        "steps": run.progress.step,
-        "final_loss": run.last_loss,
-        "metric": run.task.metric_name,
-        "first_eval": run.evals[0][1] if run.evals[0][0] == 0 else None,
-        "last_eval": run.evals[-1][1],
-        "final_model_dir": str(final_dir),
-    }
