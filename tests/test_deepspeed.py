@@ -38,8 +38,10 @@ def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
     runs = {}
     for stage in (1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"zero{stage}") / "run"
-        check_ok(run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)], env,
-                         config=f"zero{stage}.yaml"))
+        proc = run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)], env,
+                       config=f"zero{stage}.yaml")
+        check_ok(proc)
+        (run_dir.parent / "stdout.txt").write_text(proc.stdout)
         runs[stage] = run_dir
     return runs
 
@@ -49,6 +51,13 @@ def test_each_stage_partitions_what_it_promises(zero_runs, stage):
     facts = summary(zero_runs[stage])
     assert facts["distributed_type"] == "DEEPSPEED" and facts["zero_stage"] == stage and facts["world_size"] == 2
     assert facts["mixed_precision"] == "no"  # the config's default: fp32 unless the launch line asks for bf16
+    start_line = next(line for line in (zero_runs[stage].parent / "stdout.txt").read_text().splitlines()
+                      if line.startswith("DEEPSPEED"))
+    if stage == 3:
+        assert start_line.startswith(f"DEEPSPEED ZeRO-3 on 2 process(es), {facts['total_params']:,} parameters, "
+                                     f"per rank {facts['local_params_per_rank']}"), start_line
+    else:
+        assert start_line.startswith(f"DEEPSPEED ZeRO-{stage} on 2 process(es), each holding all "), start_line
     total = facts["total_params"]
     held = facts["state_elements_per_rank"]
 

@@ -171,6 +171,15 @@ class DeepSpeed(Backend):
             check_partition(report, "ZeRO-3 partitions")
         return report
 
+    def layout_line(self, accelerator: Accelerator, shards: ShardReport, units: int) -> str:
+        stage = self.zero_stage(accelerator)
+        partitioned = {1: "optimizer state", 2: "optimizer state and gradients"}.get(stage)
+        if partitioned is None:  # ZeRO-3: the parameters too
+            return (f"{accelerator.distributed_type.value} ZeRO-3 on {accelerator.num_processes} process(es), "
+                    f"{shards.total_params:,} parameters, per rank {shards.local_params_per_rank}")
+        return (f"{accelerator.distributed_type.value} ZeRO-{stage} on {accelerator.num_processes} process(es), each "
+                f"holding all {shards.total_params:,} parameters ({partitioned} partitioned)")
+
     def summary_facts(self, accelerator: Accelerator) -> dict:
         return {"fsdp_version": None, "zero_stage": self.zero_stage(accelerator)}
 
