@@ -17,7 +17,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from finetune.collectives import gather_ints
 from finetune.errors import NotDistributed, UsageError
-from finetune.estimates import Estimate
+from finetune.estimates import Estimate, ModelShape
 from finetune.hardware import has_accelerator_device, launched_world_size
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, local_numel, tally
@@ -47,7 +47,7 @@ def check_partition(report: ShardReport, what: str) -> None:
 @dataclass
 class PlanInputs:
     """What every backend's planner rows are computed from (finetune/memory.py fills it)."""
-    shape: "object"           # estimates.ModelShape
+    shape: ModelShape
     num_processes: int
     compute_bytes: int        # 2 under bf16 mixed precision, else 4
     mixed_precision: str
