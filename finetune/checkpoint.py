@@ -38,6 +38,7 @@ from finetune.backends import for_checkpoint
 from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
+from finetune.data.stream import EpochBatches
 from finetune.errors import UsageError
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
@@ -57,7 +58,6 @@ FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran
 class TrainingProgress:
     step: int = 0                      # optimizer steps done
     epoch: int = 0                     # current epoch (0-based)
-    samples_in_epoch: int = 0          # samples all ranks together consumed in the current epoch
     epoch_loss_sum: float = 0.0        # sum of the step losses of the current epoch so far
     epoch_steps: int = 0               # steps of the current epoch so far
     world_size: int = 1                # ranks that wrote the checkpoint
@@ -138,6 +138,8 @@ def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
     items read safely), the scheduler and RNG files."""
     verify_manifest(checkpoint_dir)
     progress = read_progress(checkpoint_dir)
+    EpochBatches.checked_position(json.loads((checkpoint_dir / PROGRESS_FILE).read_text()),
+                                  str(checkpoint_dir / PROGRESS_FILE))
     for_checkpoint(checkpoint_dir).check_checkpoint_files(checkpoint_dir)
     check_pickled_file(checkpoint_dir / "scheduler.bin")
     for rank in range(progress.world_size):
@@ -251,10 +253,11 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
-                 method: "FullFineTune", backend: Backend | None = None):
+                 method: "FullFineTune", data: EpochBatches, backend: Backend | None = None):
         self.accelerator = accelerator
         self.backend = backend or Backend()  # the layout this run writes and reads
         self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
+        self.data = data      # the training batches: their position is saved with every checkpoint
         self.unwrapped = unwrapped = accelerator.unwrap_model(model)
         self.stored = StoredState(unwrapped)
         self.root = Path(run_dir) / "checkpoints"
@@ -340,7 +343,7 @@ class CheckpointManager:
         if not self.accelerator.is_main_process:
             return
         progress.world_size = self.accelerator.num_processes
-        (tmp / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2))
+        (tmp / PROGRESS_FILE).write_text(json.dumps({**asdict(progress), **self.data.state_dict()}, indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
@@ -383,4 +386,5 @@ class CheckpointManager:
             set_seed(seed + 1_000_003 * progress.step + acc.process_index)
             rank_warning(acc, f"no RNG state for this rank in {checkpoint_dir}; seeded from (seed, step, rank)")
         progress.world_size = acc.num_processes
+        self.data.load_state_dict(json.loads((checkpoint_dir / PROGRESS_FILE).read_text()))  # where the data was
         return progress

@@ -15,7 +15,6 @@ file never branches on them.
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import shutil
 import sys
@@ -23,7 +22,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import yaml
@@ -40,6 +38,7 @@ from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
 from finetune.collectives import WriteFailed, on_every_rank
+from finetune.data.stream import EpochBatches
 from finetune.errors import Stopped, UsageError
 from finetune.hardware import slow_bf16_warning
 from finetune.host_memory import HostMemory, resident_bytes
@@ -68,7 +67,7 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
-    train_loader: DataLoader
+    train_batches: EpochBatches
     eval_loader: DataLoader
     checkpoints: CheckpointManager
     stop: StopSignals
@@ -91,10 +90,6 @@ class Run:
     @property
     def run_dir(self) -> Path:
         return Path(self.cfg.output_dir)
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.per_device_batch_size * self.accelerator.num_processes
 
     def log(self, row: dict) -> None:
         self.accelerator.log(grouped_names(row), step=row["step"])
@@ -186,10 +181,8 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
     model, data = task.build(accelerator, backend, run_dir)
     train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
-    # The last micro-batches of an epoch make a step even when fewer than
-    # gradient_accumulation_steps are left.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or cfg.num_epochs * steps_per_epoch
+    train_batches = EpochBatches(train_loader, accelerator, cfg.per_device_batch_size * accelerator.num_processes)
+    total_steps = cfg.max_steps or cfg.num_epochs * train_batches.steps_per_epoch(cfg.gradient_accumulation_steps)
     backend.check_model(accelerator, model)
     optimizer = build_optimizer(model, cfg)
     backend.fit_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
@@ -205,9 +198,9 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend)},
-            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend)
+            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
-              schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=train_loader,
+              schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
@@ -309,28 +302,14 @@ def fit(run: Run) -> None:
               disable=run.plain_logs or not run.accelerator.is_main_process) as run.bar, \
             StepProfiler(run.cfg.profile_steps, run.run_dir / "profile", run.accelerator.process_index) as run.profiler:
         while run.progress.step < run.total_steps:
-            batches = epoch_batches(run)
-            while run.progress.step < run.total_steps and (result := train_step(run, batches)) is not None:
-                after_step(run, result)
+            after_step(run, train_step(run))
     run.train_seconds = time.perf_counter() - start
 
 
-def epoch_batches(run: Run) -> Iterator[dict]:
-    """The rest of the current epoch's micro-batches for this rank. The order
-    depends on (seed, epoch) only; after a resume, the batches the checkpoint
-    had already consumed are skipped (rounded down when the world size changed)."""
-    progress = run.progress
-    skip = progress.samples_in_epoch // run.global_batch
-    progress.samples_in_epoch = skip * run.global_batch
-    batches = run.accelerator.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
-    batches.set_epoch(progress.epoch)
-    return iter(batches)
-
-
-def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
+def train_step(run: Run) -> StepResult:
     """Forward and backward over the step's micro-batches
     (gradient_accumulation_steps of them, or what is left of the epoch), then
-    one optimizer step. None when the epoch has no micro-batch left.
+    one optimizer step.
 
     The loss of the step is the sum of the per-target losses over the global
     batch divided by the number of targets in it, not a mean of per-micro-batch
@@ -340,10 +319,10 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
     rescaled afterwards (DeepSpeed steps inside the last backward)."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
     start = time.perf_counter()
-    micro_batches = list(itertools.islice(batches, cfg.gradient_accumulation_steps))
-    if not micro_batches:
-        return None
-    epoch_end = acc.gradient_state.end_of_dataloader
+    micro_batches = run.train_batches.take(run.progress.epoch, cfg.gradient_accumulation_steps)
+    if not micro_batches:  # an epoch's last micro-batch ends it (after_step), so the next one has some
+        raise RuntimeError(f"epoch {run.progress.epoch} has no micro-batch left yet did not end")
+    epoch_end = run.train_batches.epoch_ended
     count, stop_votes = acc.reduce(torch.tensor(
         [sum(run.task.targets(batch) for batch in micro_batches), run.stop.flag], dtype=torch.float64,
         device=acc.device), reduction="sum").tolist()
@@ -364,7 +343,6 @@ def train_step(run: Run, batches: Iterator[dict]) -> StepResult | None:
     run.optimizer.step()
     run.schedule.step_done()
     run.optimizer.zero_grad(set_to_none=True)
-    run.progress.samples_in_epoch += run.global_batch * len(micro_batches)
     # One collective: the sums, and each rank's resident memory in its own slot.
     resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
     resident[acc.process_index] = resident_bytes()
@@ -413,7 +391,8 @@ def finish_epoch(run: Run) -> None:
     progress = run.progress
     epoch_loss = progress.epoch_loss_sum / progress.epoch_steps
     progress.epoch += 1
-    progress.samples_in_epoch, progress.epoch_loss_sum, progress.epoch_steps = 0, 0.0, 0
+    progress.epoch_loss_sum, progress.epoch_steps = 0.0, 0
+    run.train_batches.end_epoch()
     run.log({"step": progress.step, "epoch": progress.epoch, "epoch_loss": epoch_loss})
     run.schedule.epoch_done()
 

@@ -16,6 +16,7 @@ from finetune.config import load_config
 from finetune.backends import OneProcess
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import ShardReport
+from finetune.data.stream import EpochBatches
 from finetune.liveness import Heartbeats
 from finetune.errors import Stopped, UsageError
 from finetune.models import build_cnn
@@ -53,12 +54,13 @@ def make_run(run_dir: Path) -> Run:
     optimizer = build_optimizer(model, cfg)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, 10))
     task = CountingTask(cfg)
+    train_batches = EpochBatches(None, accelerator, global_batch=4)  # steps are made up here: no data is read
     checkpoints = CheckpointManager(accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=0,
                                     keep_last=0, config_yaml="task: image-classification\n", tokenizer=None,
-                                    method=task.method)
+                                    method=task.method, data=train_batches)
     params = sum(p.numel() for p in model.parameters())
     run = Run(cfg=cfg, accelerator=accelerator, backend=OneProcess(), task=task, data=TaskData([], [], None, "none"), model=model,
-              optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_loader=None,
+              optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,
               eval_loader=None, checkpoints=checkpoints, stop=StopSignals(),
               heartbeats=Heartbeats(run_dir, accelerator, cfg.ddp_timeout), total_steps=10,
               progress=TrainingProgress(), shards=ShardReport(params, [params]), fsdp_units=0)
@@ -81,7 +83,7 @@ def test_after_step_through_epoch_end_evaluation_checkpoint_and_stop(tmp_path):
     assert run.schedule.lr == lr  # the lectures' StepLR counts epochs, not steps
 
     after_step(run, step(4.0, epoch_end=True))  # step 2: the epoch ends and an evaluation is due
-    assert run.progress.epoch == 1 and run.progress.samples_in_epoch == 0 and run.progress.epoch_steps == 0
+    assert run.progress.epoch == 1 and run.train_batches.state_dict()["samples_in_epoch"] == 0 and run.progress.epoch_steps == 0
     assert run.schedule.lr == pytest.approx(lr * run.cfg.lr_gamma)
     assert run.task.evaluated_at == [2]
 

@@ -271,6 +271,8 @@ def _without_manifest(checkpointed_run: Path, tmp_path: Path) -> Path:
     (lambda c: (c / "random_states_0.pkl").write_bytes(b"garbage"), "random_states_0.pkl is not readable"),
     (lambda c: (c / "training_progress.json").write_text("{not json"), "training_progress.json is missing or not"),
     (lambda c: (c / "training_progress.json").write_text('{"step": "six"}'), "training_progress.json is missing or not"),
+    (lambda c: (c / "training_progress.json").write_text('{"step": 6, "samples_in_epoch": "six"}'),
+     "training_progress.json: the data position (samples_in_epoch: 'six') is not a count of samples"),
     (lambda c: (c / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"\x80\x04garbage"), ".metadata is not readable"),
 ])
 def test_missing_or_garbage_checkpoint_files_are_refused_naming_them(damage, named, checkpointed_run, tmp_path):
