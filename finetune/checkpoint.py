@@ -113,6 +113,7 @@ def read_progress(checkpoint_dir: Path) -> TrainingProgress:
         if "step" not in values or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                            for v in values.values()):
             raise ValueError
+        EpochBatches.checked_position(saved, str(path))  # the data's position, kept in the same file
         return TrainingProgress(**{k: int(v) if known[k] == "int" else float(v) for k, v in values.items()})
     except (OSError, ValueError, AttributeError):
         raise UsageError(f"{path} is missing or not this tool's training progress; the checkpoint is damaged, "
@@ -138,8 +139,6 @@ def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
     items read safely), the scheduler and RNG files."""
     verify_manifest(checkpoint_dir)
     progress = read_progress(checkpoint_dir)
-    EpochBatches.checked_position(json.loads((checkpoint_dir / PROGRESS_FILE).read_text()),
-                                  str(checkpoint_dir / PROGRESS_FILE))
     for_checkpoint(checkpoint_dir).check_checkpoint_files(checkpoint_dir)
     check_pickled_file(checkpoint_dir / "scheduler.bin")
     for rank in range(progress.world_size):

@@ -285,7 +285,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     layout = run.backend.layout_line(acc, run.shards, run.fsdp_units)
     if (trainable := trainable_params(run.model)) < run.shards.total_params:
-        layout += run.task.method.trainable_note(trainable, run.shards.total_params)
+        layout += run.task.method.trainable_note(trainable)
     acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
 
 

@@ -65,7 +65,6 @@ OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded o
 
 class Backend:
     """The one-process run; also the base of every other backend."""
-    name: ClassVar[str] = "one process"
     # Checkpoints: how this backend stores the model in `save_state` output, and how messages name it.
     layout: ClassVar[str] = "unsharded"
     written_as: ClassVar[str] = "without sharding"

@@ -14,7 +14,6 @@ class OneProcess(Backend):
 
 
 class DDP(Backend):
-    name = "DDP"
     fallback = True
 
     @classmethod

@@ -97,7 +97,6 @@ def zero_stage_of(launch: dict, config_path: Path) -> int:
 
 
 class DeepSpeed(Backend):
-    name = "DeepSpeed"
     layout = "DeepSpeed"
     written_as = "under DeepSpeed"
     run_is = "a DeepSpeed run"
@@ -238,7 +237,7 @@ class DeepSpeed(Backend):
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def check_checkpoint_files(self, checkpoint_dir: Path) -> list[Path]:
+    def check_checkpoint_files(self, checkpoint_dir: Path) -> None:
         """DeepSpeed's files, each loadable with weights_only and DeepSpeed's classes."""
         try:
             allowed = pickled_classes()
@@ -251,7 +250,6 @@ class DeepSpeed(Backend):
                              "incomplete, resume from an earlier one")
         for path in files:
             check_pickled_file(path, allowed)
-        return files
 
     def saved_shapes(self, checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
         """Read from the model states file (checked by check_checkpoint_files)."""

@@ -45,7 +45,6 @@ def fsdp_requested() -> bool:
 
 
 class FSDP2(Backend):
-    name = "FSDP2"
     layout = "FSDP"
     written_as = "under FSDP"
     run_is = "an FSDP run"
@@ -231,7 +230,6 @@ class FSDP1(FSDP2):
     (measured on CPU: FSDP1 rejects `cpu:0`, `fsdp_sync_module_states` finds
     no device). Same checkpoint layout and planner rows as FSDP2; Accelerate
     gathers its final state whole on the main process."""
-    name = "FSDP1"
     fsdp_version = 1
 
     @classmethod

@@ -25,5 +25,4 @@ def method_for(cfg) -> FullFineTune:
 def method_of_checkpoint(model_files: Path) -> FullFineTune:
     """The method whose files a checkpoint's model_config/ holds; a full
     fine-tune's when no other's (LoRA and QLoRA checkpoints are alike)."""
-    return next((method() for method in REGISTRY.values() if method is not FullFineTune and method.wrote(model_files)),
-                FullFineTune())
+    return next((method() for method in REGISTRY.values() if method.wrote(model_files)), FullFineTune())

@@ -45,7 +45,7 @@ class FullFineTune:
         """The model to train, from the base loaded from `source`."""
         return model
 
-    def trainable_note(self, trainable: int, total: int) -> str:
+    def trainable_note(self, trainable: int) -> str:
         """What the start line adds about the parameters that train."""
         return ""
 
@@ -82,8 +82,8 @@ class FullFineTune:
 
     @staticmethod
     def wrote(model_files: Path) -> bool:
-        """Whether a checkpoint's model_config/ is this method's."""
-        return True
+        """Whether a checkpoint's model_config/ holds this method's own files (a full fine-tune has none)."""
+        return False
 
     def export_weights(self, checkpoint_dir: Path, weights: "Weights", base: Callable[[], torch.nn.Module],
                        base_source: str) -> "Weights":

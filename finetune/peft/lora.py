@@ -265,7 +265,7 @@ class LoRA(FullFineTune):
             self.base_record = base_record(source, model)
         return add_adapters(self.adapt_base(model), self.config())
 
-    def trainable_note(self, trainable: int, total: int) -> str:
+    def trainable_note(self, trainable: int) -> str:
         return f", of which {trainable:,} trainable ({self.name} adapters on a frozen base)"
 
     def adapters_off(self, model: torch.nn.Module):
