@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import yaml
@@ -45,8 +45,12 @@ from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
 from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
 
-if TYPE_CHECKING:
-    from finetune.peft.base import FullFineTune
+class ModelFilesPolicy(Protocol):
+    """What the fine-tuning method adds to a checkpoint's model_config/ and checks on resume."""
+
+    def write_checkpoint_files(self, model_files: Path, model: torch.nn.Module, tied: dict[str, str]) -> None: ...
+
+    def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None: ...
 
 
 PROGRESS_FILE = "training_progress.json"
@@ -252,7 +256,7 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
-                 method: "FullFineTune", data: EpochBatches, backend: Backend | None = None):
+                 method: ModelFilesPolicy, data: EpochBatches, backend: Backend | None = None):
         self.accelerator = accelerator
         self.backend = backend or Backend()  # the layout this run writes and reads
         self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import yaml
@@ -56,11 +56,14 @@ from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
-if TYPE_CHECKING:
-    from finetune.peft.base import FullFineTune
+class ShapesThePlan(Protocol):
+    """The fine-tuning method, as the planner sees it: the model it trains and the weights it holds in 4 bits."""
+    four_bit_bytes_per_weight: float
+
+    def plan_model(self, model: torch.nn.Module, num_processes: int) -> tuple[torch.nn.Module, int]: ...
 
 
-def model_shape(name_or_path: str, method: "FullFineTune | None" = None, num_processes: int = 1) -> ModelShape:
+def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_processes: int = 1) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
     are estimated. The fine-tuning `method` shapes the model as it would train

@@ -60,8 +60,8 @@ def test_tiny_gpt2_on_2_processes(checkpointed_run):
 def test_predicted_peak_rss_is_within_15_percent(model, num_processes, tmp_path, env, small_corpus, request):
     name = str(request.getfixturevalue("llama_dir")) if model == "llama" else model
     run_dir = tmp_path / "run"
-    # A few steps reach the plateau: the optimizer state and the heap's high-water mark come with the first two.
+    # Two steps reach the plateau: the optimizer state and the heap's high-water mark come with the first two.
     check_ok(run_cli(["train", "--model", name, "--dataset", str(small_corpus), "--block_size", "128",
-                      "--per_device_batch_size", "2", "--max_steps", "3", "--sample_prompt", "", "--max_eval_batches", "1",
+                      "--per_device_batch_size", "2", "--max_steps", "2", "--sample_prompt", "", "--max_eval_batches", "1",
                       "--output_dir", str(run_dir)], env, nproc=num_processes, mixed_precision="no"))
     assert_predicted(json.loads((run_dir / "summary.json").read_text()), name, num_processes, batch=2, block_size=128)

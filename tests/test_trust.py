@@ -171,7 +171,8 @@ def _running(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_rank_that_stops_answering_ends_the_run_with_one_line_naming_it(tmp_path, env, small_corpus):
     """SIGSTOP one rank mid-run: the other times out in its next collective
-    (--ddp_timeout) and the run ends, naming the silent rank, instead of hanging."""
+    (--ddp_timeout) and the run ends, naming the silent rank and ending it
+    (it runs on this machine), instead of hanging."""
     from test_resume import _launch_background, _rank_pids
 
     run_dir = tmp_path / "run"
@@ -192,7 +193,8 @@ def test_a_rank_that_stops_answering_ends_the_run_with_one_line_naming_it(tmp_pa
     assert len(errors) == 1, out[-3000:]
     assert "[rank 0] rank(s) 1 stopped answering: no collective completed within --ddp_timeout 5 s" in errors[0]
     assert f"continue with `finetune resume {run_dir}`" in errors[0]
-    assert proc.returncode != 0 and not _running(ranks[1])  # the launcher took the stopped rank down too
+    assert f"ended rank 1's process (pid {ranks[1]}) on this machine" in errors[0]
+    assert proc.returncode != 0 and not _running(ranks[1])
 
 
 @pytest.mark.slow
