@@ -196,6 +196,9 @@ def _add_export(sub) -> None:
                         help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune; "
                              "for a LoRA run, the base to merge into (default: the checkpoint's own model_config/, "
                              "and a LoRA run's recorded --model, checked against the base it was trained on)")
+    export.add_argument("--trust_remote_code", action="store_true",
+                        help="LoRA runs whose base has its own code: let it run to rebuild the base (only for bases "
+                             "you trust; never taken from the run's files) (default: False)")
     lora_output = export.add_mutually_exclusive_group()
     lora_output.add_argument("--merge", action="store_true",
                              help="LoRA runs: a full HF model dir, the adapters merged into the base (the default)")
@@ -333,8 +336,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     import yaml
 
-    from finetune.launch import without_options, relaunch, under_a_launcher
     from finetune.checkpoint import check_resumable
+    from finetune.launch import relaunch, under_a_launcher, without_options
+    from finetune.launch_record import checked_record
 
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
@@ -353,7 +357,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             raise UsageError("under a launcher, the number of processes is the launcher's: give --num_processes to "
                              "accelerate launch, before -m finetune")
         return _run(cfg)
-    launch = recorded.get("launch") or {}
+    launch = checked_record(recorded.get("launch"), Path(args.run_dir))
     if args.no_relaunch or "launcher_options" not in launch:
         return _run(cfg)
     check_resumable(cfg)  # bad input fails here, in seconds, before any process starts
@@ -366,7 +370,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     threads = use_cpu_threads()
     out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
-                            max_shard_size=args.max_shard_size, adapter_only=args.adapter_only)
+                            max_shard_size=args.max_shard_size, adapter_only=args.adapter_only,
+                            trust_remote_code=args.trust_remote_code)
     print(f"exported {args.source} -> {out}")
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0

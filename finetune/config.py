@@ -392,6 +392,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
             if key == "lr_scheduler" and value == "cosine":
                 value = "cosine_with_min_lr"  # what "cosine" meant under the old name
             values[name] = value
+    if path and coerce("trust_remote_code", values.get("trust_remote_code", False)) \
+            and overrides.get("trust_remote_code") is not True:
+        # A file may come from someone else: what lets a model or data dir run code is the user's own word.
+        raise UsageError(f"{path} sets trust_remote_code, which lets the model's or data's own code run; it is taken "
+                         f"only from the command line: pass --trust_remote_code if you trust {values.get('model', 'them')}")
     values.update(overrides)
     # Asked for on the command line: a run config file records every option, LoRA's defaults included.
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):

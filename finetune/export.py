@@ -59,10 +59,12 @@ def run_data(checkpoint_dir: Path) -> dict | None:
 
 
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
-                      model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False) -> Path:
+                      model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False,
+                      trust_remote_code: bool = False) -> Path:
     """The checkpoint as a HF model dir, as the fine-tuning method that wrote
     it saves its model (adapters merged into their base), or (adapter_only)
-    the adapters alone."""
+    the adapters alone. `trust_remote_code` is the command line's: the run's
+    own record of it is never taken."""
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
@@ -95,7 +97,7 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
         generation_config = None
     if adapter_only:
         return method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
-    task = run_task(checkpoint_dir, base_model) if method.saves_adapters else None
+    task = run_task(checkpoint_dir, base_model, trust_remote_code) if method.saves_adapters else None
     model_weights = method.export_weights(checkpoint_dir, backend.export_weights(weights),
                                           lambda: task.base_model(tokenizer), task and task.model_source)
     tied = read_tied(model_files) if config_source == str(model_files) and not method.saves_adapters else None
@@ -109,11 +111,13 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
                          "--output") from None
 
 
-def run_task(checkpoint_dir: Path, base_model: str | None):
+def run_task(checkpoint_dir: Path, base_model: str | None, trust_remote_code: bool):
     """The task of the run that wrote a checkpoint, which builds its base (or --model's)."""
     from finetune.tasks.base import build_task
 
-    cfg = load_config(checkpoint_dir / "run_config.yaml", {"model": base_model} if base_model else {})
+    overrides = {"model": base_model} if base_model else {}
+    cfg = load_config(checkpoint_dir / "run_config.yaml",
+                      {**overrides, **({"trust_remote_code": True} if trust_remote_code else {})})
     task = build_task(cfg)
     if is_gguf(cfg.model):
         task.model_source = str(converted_dir(cfg.model))

@@ -27,8 +27,9 @@ from finetune.errors import UsageError
 if TYPE_CHECKING:
     from finetune.backends.base import Backend
 
-# Launcher options that depend on the moment, not on the run: a relaunch picks them afresh.
-NOT_REPLAYED = {"--main_process_port", "--config_file"}
+# Launcher options that depend on the moment, not on the run (a relaunch picks
+# them afresh), or name a file whose content is recorded instead.
+NOT_REPLAYED = {"--main_process_port", "--config_file", "--deepspeed_config_file"}
 
 # Where the workers of a relaunch leave their exit codes: the launcher itself
 # turns any failure into exit code 1, and a script should see the workers' own.

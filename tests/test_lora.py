@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import check_ok, eval_rows, run_cli, run_in_process, train_rows
 from sft_models import chat_tokenizer, conversations, save_chat_model, write_jsonl
+from test_errors import one_error_line
 from test_resume import consolidated, flatten
 
 pytestmark = pytest.mark.slow
@@ -363,3 +364,31 @@ def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
 def test_lora_option_errors(options, message, tmp_path):
     proc = run_in_process("train", *options, "--output_dir", tmp_path / "run")
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_export_never_takes_trust_remote_code_from_the_run(lora_run, gpt2_dir, tmp_path):
+    """The LoRA export rebuilds the base as the checkpoint's run_config.yaml
+    records it; a record that says trust_remote_code, with a base whose code
+    would run, is refused in one line unless the export's own command line says so."""
+    import yaml
+
+    base = tmp_path / "base"
+    shutil.copytree(gpt2_dir, base)
+    marker = tmp_path / "code-ran"
+    (base / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                    "from transformers import GPT2Config\n"
+                                    "class CustomConfig(GPT2Config):\n    model_type = 'custom-gpt2'\n")
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "model_type": "custom-gpt2",
+                                                  "auto_map": {"AutoConfig": "custom.CustomConfig"}}))
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_run, run_dir)
+    checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
+    record = yaml.safe_load((checkpoint / "run_config.yaml").read_text())
+    (checkpoint / "run_config.yaml").write_text(yaml.safe_dump({**record, "model": str(base),
+                                                                "trust_remote_code": True}))
+    proc = run_in_process("export", checkpoint, "--output", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "sets trust_remote_code" in line and "pass --trust_remote_code if you trust" in line
+    assert not marker.exists() and not (tmp_path / "out").exists()

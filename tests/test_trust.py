@@ -31,7 +31,7 @@ from conftest import (
     run_in_process,
     train_rows,
 )
-from test_errors import one_error_line
+from test_errors import one_error_line, snapshot
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
 from finetune.errors import UsageError
@@ -311,3 +311,120 @@ def test_an_export_killed_earlier_leaves_no_temporary_dir_behind(tmp_path, check
     (leftover / "model.safetensors").write_bytes(b"half")
     check_ok(run_in_process("export", checkpointed_run, "--output", tmp_path / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --- a run dir is untrusted input: its launch record -------------------------------------------------
+
+def with_launch(checkpointed_run: Path, tmp_path: Path, launch) -> Path:
+    """A copy of the shared run whose run_config.yaml records `launch`."""
+    import yaml
+
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    config = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+    (run_dir / "run_config.yaml").write_text(yaml.safe_dump({**config, "launch": launch}, sort_keys=False))
+    return run_dir
+
+
+def recorded(checkpointed_run: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((checkpointed_run / "run_config.yaml").read_text())["launch"]
+
+
+BAD_LAUNCH_RECORDS = {
+    "a program after --no_python": lambda m, launch: {**launch, "launcher_options": [
+        "--num_processes", "2", "--no_python", "sh", "-c", f"touch {m}"]},
+    "a script to run": lambda m, launch: {**launch, "launcher_options": ["--num_processes", "1", str(m) + ".py"]},
+    "another module": lambda m, launch: {**launch, "launcher_options": ["-m", "http.server"]},
+    "another accelerate config": lambda m, launch: {**launch, "launcher_options": ["--config_file", str(m)]},
+    "a log dir to write": lambda m, launch: {**launch, "launcher_options": ["--log_dir", str(m)]},
+    "an option value that is a command": lambda m, launch: {**launch, "launcher_options": [
+        "--num_processes", f"2; touch {m}"]},
+    "a flag given a value": lambda m, launch: {**launch, "launcher_options": ["--cpu=sh"]},
+    "an fsdp option naming a path": lambda m, launch: {**launch, "launcher_options": ["--fsdp_version", str(m)]},
+    "a string": lambda m, launch: "accelerate launch sh",
+    "a list of strings": lambda m, launch: ["--num_processes", "2"],
+    "an unknown key": lambda m, launch: {**launch, "pre_launch_hook": f"touch {m}"},
+    "options that are not a list": lambda m, launch: {**launch, "launcher_options": "--num_processes 2"},
+    "a process count that is not one": lambda m, launch: {**launch, "num_processes": -3},
+    "an mpirun config": lambda m, launch: {**launch, "accelerate_config": {
+        **launch["accelerate_config"], "mpirun_config": {"mpirun_hostfile": str(m)}}},
+    "a deepspeed hostfile": lambda m, launch: {**launch, "accelerate_config": {
+        **launch["accelerate_config"], "deepspeed_config": {"deepspeed_hostfile": str(m)}}},
+    "an accelerate setting naming a path": lambda m, launch: {**launch, "accelerate_config": {
+        **launch["accelerate_config"], "fsdp_config": {"fsdp_version": str(m)}}},
+    "a deepspeed json that writes files": lambda m, launch: {**launch, "deepspeed_config": {
+        "train_micro_batch_size_per_gpu": 4, "tensorboard": {"enabled": True, "output_path": str(m)}}},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAUNCH_RECORDS))
+def test_resume_replays_only_accelerates_own_settings(case, checkpointed_run, tmp_path):
+    """`finetune resume RUN` in a plain shell turns the record into an
+    `accelerate launch` command: a record that would run, read or write
+    anything else is refused in one line, before any process starts."""
+    marker = tmp_path / "ran"
+    launch = BAD_LAUNCH_RECORDS[case](marker, recorded(checkpointed_run))
+    run_dir = with_launch(checkpointed_run, tmp_path, launch)
+    before = snapshot(run_dir)
+    proc = run_in_process("resume", run_dir)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = one_error_line(proc.stderr)
+    assert "launch record" in line and "accelerate launch --config_file YOUR_CONFIG -m finetune resume" in line
+    assert "relaunching" not in proc.stdout and not marker.exists() and not Path(str(marker) + ".py").exists()
+    assert snapshot(run_dir) == before
+
+
+def test_a_launch_record_as_accelerate_writes_it_is_replayed(checkpointed_run, tmp_path):
+    """What `accelerate config` writes, and launch options of every kind the
+    check allows, pass it unchanged."""
+    from finetune.launch_record import checked_record
+
+    launch = recorded(checkpointed_run)
+    launch = {**launch, "launcher_options": [
+        "--num_processes", "2", "--mixed_precision=bf16", "--fsdp_version", "2", "--cpu", "--monitor_interval", "0.5",
+        "--num_cpu_threads_per_process", "1", "--gpu_ids", "all"],
+        "accelerate_config": {**launch["accelerate_config"], "debug": False, "downcast_bf16": "no", "tpu_env": [],
+                              "tpu_use_cluster": False, "tpu_use_sudo": False, "enable_cpu_affinity": False}}
+    checked = checked_record(launch, tmp_path)
+    assert checked["launcher_options"][:4] == ["--num_processes", "2", "--mixed_precision", "bf16"]  # `=` split
+    assert checked == {**launch, "launcher_options": ["--num_processes", "2", "--mixed_precision", "bf16",
+                                                      *launch["launcher_options"][3:]]}
+
+
+def test_every_shipped_config_passes_the_launch_record_check(tmp_path):
+    import yaml
+
+    from finetune.launch_record import checked_record
+
+    for config in sorted(CONFIGS.glob("*.yaml")):
+        settings = yaml.safe_load(config.read_text())
+        launch = {"distributed_type": settings["distributed_type"], "num_processes": settings["num_processes"],
+                  "num_machines": settings["num_machines"], "launcher_options": ["--num_processes", "2"],
+                  "accelerate_config": settings}
+        if "deepspeed_config" in settings:
+            launch["deepspeed_config"] = json.loads(
+                (CONFIGS / settings["deepspeed_config"]["deepspeed_config_file"]).read_text())
+        assert checked_record(launch, tmp_path)["accelerate_config"] == settings, config.name
+
+
+def test_trust_remote_code_is_never_taken_from_a_file(checkpointed_run, tmp_path, small_corpus):
+    """A run config (a resumed run's, or any --config file) that says
+    trust_remote_code is refused in one line unless the command line says so too."""
+    import yaml
+
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    record = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+    (run_dir / "run_config.yaml").write_text(yaml.safe_dump({**record, "trust_remote_code": True}, sort_keys=False))
+    before = snapshot(run_dir)
+    for command in (["resume", run_dir, "--no_relaunch"], ["train", "--config", run_dir / "run_config.yaml",
+                                                           "--output_dir", tmp_path / "new"]):
+        proc = run_in_process(*command)
+        assert proc.returncode == 2, (command, proc.stderr[-2000:])
+        line = one_error_line(proc.stderr)
+        assert "run_config.yaml sets trust_remote_code" in line and "pass --trust_remote_code if you trust" in line
+    assert snapshot(run_dir) == before and not (tmp_path / "new").exists()
+    # Said on the command line too, the same file is taken.
+    from finetune.config import load_config
+
+    assert load_config(run_dir / "run_config.yaml", {"trust_remote_code": True}).trust_remote_code is True
