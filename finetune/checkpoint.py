@@ -184,11 +184,26 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if not os.access(writable, os.W_OK):
         raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
                          "--output_dir")
+    if link := first_link_inside(run_dir):
+        kind = "directory" if link.is_dir() else "file"
+        raise UsageError(f"{link} is a symbolic link (to {os.readlink(link)}); a run never writes or removes through "
+                         f"a link in its run dir: put the real {kind} there, or choose another --output_dir")
     if cfg.resume_from_checkpoint or cfg.overwrite:
         return
     if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
         raise UsageError(f"{run_dir} already holds a run; resume it with `finetune resume {run_dir}`, "
                          "pass --overwrite, or choose another --output_dir")
+
+
+def first_link_inside(run_dir: Path) -> Path | None:
+    """A symbolic link anywhere under the run dir (which itself may be one), if any."""
+    if not run_dir.is_dir():
+        return None
+    for parent, dirs, files in os.walk(run_dir):  # does not descend into linked directories
+        for name in sorted(dirs + files):
+            if (path := Path(parent) / name).is_symlink():
+                return path
+    return None
 
 
 def check_resumable(cfg: TrainConfig) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.accelerator = accelerator
         self.held = False
+        self.taken = False  # this process held the lock at some point: the run dir was its own
 
     def __enter__(self) -> "RunLock":
         verdict = [self._acquire() if self.accelerator.is_main_process else None]
@@ -68,7 +70,7 @@ class RunLock:
                         f"{self.path} if that process is gone")
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
-            self.held = True
+            self.held = self.taken = True
             return None
         return f"could not take {self.path}; remove it if no run is using {self.path.parent}"
 
@@ -80,3 +82,26 @@ class RunLock:
         if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int) or holder["pid"] <= 0:
             return None
         return holder
+
+
+def remove_new_run_dir(run_dir: Path) -> None:
+    """Removes a run dir this process created and gave up before the run wrote
+    its record (bad input), under its lock taken again: never while another
+    process holds it, so nothing another run put there is removed."""
+    lock = run_dir / LOCK_FILE
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except OSError:
+        return  # another run took the dir (or it is gone): it stays as it is
+    for entry in run_dir.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    lock.unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # something arrived after the lock was released

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import math
-import shutil
 import sys
 import time
 import traceback
@@ -44,7 +43,7 @@ from finetune.hardware import slow_bf16_warning
 from finetune.host_memory import HostMemory, resident_bytes
 from finetune.launch import record as launch_record
 from finetune.liveness import Heartbeats, is_collective_timeout
-from finetune.lock import RunLock
+from finetune.lock import RunLock, remove_new_run_dir
 from finetune.final_model import write_final_model
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
@@ -130,8 +129,9 @@ def train(cfg: TrainConfig) -> dict:
     heartbeats = Heartbeats(run_dir, accelerator, cfg.ddp_timeout)
     if plain_logs(cfg.log_format) or not accelerator.is_main_process:
         quiet_library_bars()  # only the main process shows progress, and only on a terminal
+    lock = RunLock(run_dir, accelerator)
     try:
-        with RunLock(run_dir, accelerator), StopSignals() as stop:
+        with lock, StopSignals() as stop:
             return run_to_the_end(setup_run(cfg, task, accelerator, backend, stop, heartbeats, host))
     except RuntimeError as e:
         if is_collective_timeout(e):
@@ -139,9 +139,9 @@ def train(cfg: TrainConfig) -> dict:
         raise
     except UsageError:
         # Bad input found before the run started writing (run_config.yaml comes
-        # first) leaves no half-made run dir behind.
-        if fresh_run_dir and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
+        # first) leaves no half-made run dir behind: only a dir this run made and locked.
+        if fresh_run_dir and lock.taken and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
+            remove_new_run_dir(run_dir)
         raise
     finally:
         # Free the wrapped model while the process group is alive: a DDP reducer

@@ -428,3 +428,56 @@ def test_trust_remote_code_is_never_taken_from_a_file(checkpointed_run, tmp_path
     from finetune.config import load_config
 
     assert load_config(run_dir / "run_config.yaml", {"trust_remote_code": True}).trust_remote_code is True
+
+
+@pytest.mark.parametrize("link", ["summary.json", "loss.png", "final", "checkpoints/step_000012",
+                                  "checkpoints/step_000006/model_config", ".heartbeats/rank0"])
+def test_a_link_inside_a_run_dir_is_refused_naming_it(link, checkpointed_run, tmp_path):
+    """A run dir may come from someone else: a link in it would have a resume
+    write, or remove, outside it. Refused in one line naming the link, before
+    anything is written, for train --overwrite too."""
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    outside = tmp_path / "precious"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "dir" / "keep.txt").write_text("mine")
+    (outside / "file").write_text("mine")
+    path = run_dir / link
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = outside / ("dir" if path.is_dir() else "file")
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    path.symlink_to(target)
+    before, outside_before = snapshot(run_dir), snapshot(outside)
+    for command in (["resume", run_dir, "--no_relaunch", "--max_steps", "14"],
+                    ["train", "--config", run_dir / "run_config.yaml", "--output_dir", run_dir, "--overwrite",
+                     "--max_steps", "2"]):
+        proc = run_in_process(*command)
+        assert proc.returncode == 2, (command, proc.stderr[-2000:])
+        line = one_error_line(proc.stderr)
+        assert f"{path} is a symbolic link (to {target})" in line and "never writes or removes through a link" in line
+    assert snapshot(run_dir) == before and snapshot(outside) == outside_before
+
+
+def test_a_run_that_loses_a_new_dir_to_another_removes_nothing(tmp_path, small_corpus, monkeypatch):
+    """Two runs started into the same new --output_dir: the one that loses the
+    lock ends in one line and leaves the winner's dir, lock and files alone."""
+    import finetune.train
+
+    run_dir = tmp_path / "run"
+    build_trackers = finetune.train.build_trackers
+
+    def another_run_arrives(*args, **kwargs):  # after this run found the dir new, before it takes the lock
+        run_dir.mkdir()
+        (run_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                     "since": "now"}))
+        (run_dir / "metrics.jsonl").write_text("theirs\n")
+        return build_trackers(*args, **kwargs)
+
+    monkeypatch.setattr(finetune.train, "build_trackers", another_run_arrives)
+    proc = run_in_process("train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", run_dir)
+    assert proc.returncode == 2
+    assert "is in use by a live run" in one_error_line(proc.stderr)
+    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getppid()
+    assert (run_dir / "metrics.jsonl").read_text() == "theirs\n"
