@@ -38,6 +38,7 @@ from finetune.backends import for_checkpoint
 from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
+from finetune.data.fingerprint import check_same_inputs
 from finetune.data.stream import EpochBatches
 from finetune.errors import UsageError
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
@@ -213,7 +214,9 @@ def check_resumable(cfg: TrainConfig) -> None:
     checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
     if checkpoint is not None:
         verify_checkpoint(checkpoint)
-        resume_changes(saved_config(checkpoint), cfg)
+        saved = saved_config(checkpoint)
+        resume_changes(saved, cfg)
+        check_same_inputs(saved.get("inputs"), cfg, checkpoint)
 
 
 class StoredState:

@@ -348,7 +348,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except yaml.YAMLError:
         recorded = None  # load_config below names the problem
     recorded = recorded if isinstance(recorded, dict) else {}
-    overrides = {"resume_from_checkpoint": "latest", **_overrides(args), "output_dir": args.run_dir}
+    given = _overrides(args)
+    if "output_dir" in given and Path(given["output_dir"]).resolve() != Path(args.run_dir).resolve():
+        raise UsageError(f"resume continues {args.run_dir} in place and takes no --output_dir; to continue in "
+                         f"{given['output_dir']}, copy the run there first (cp -r {args.run_dir} "
+                         f"{given['output_dir']}) and resume that")
+    overrides = {"resume_from_checkpoint": "latest", **given, "output_dir": args.run_dir}
     if "text_sample_by" not in recorded:  # a run from before the option: its data stays as it was made
         overrides.setdefault("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS)
     cfg = load_config(run_config, overrides)

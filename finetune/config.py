@@ -19,6 +19,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from finetune.data.fingerprint import INPUT_OPTIONS, absolute
 from finetune.errors import UsageError
 from finetune.tasks import REGISTRY
 
@@ -204,6 +205,8 @@ class TrainConfig:
         cfg = dataclasses.replace(self)
         if not cfg.output_dir:
             cfg.output_dir = str(Path("outputs") / f"{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+        for name in INPUT_OPTIONS:  # a resume from another working dir reads the same files
+            setattr(cfg, name, absolute(getattr(cfg, name)))
         return cfg
 
     def validate(self) -> None:
@@ -271,7 +274,8 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """What a resume changes against the config its checkpoint was written
     with: one line per change it applies; refused when it changes anything else."""
     changed = {name: (saved[name], value) for name, value in cfg.to_dict().items()
-               if name in saved and saved[name] != value and name not in RESUME_BOOKKEEPING}
+               if name in saved and saved[name] != value and name not in RESUME_BOOKKEEPING
+               and not (name in INPUT_OPTIONS and absolute(str(saved[name])) == value)}  # recorded relative before
     refused = [f"--{name} ({old!r} -> {new!r})" for name, (old, new) in changed.items() if name not in RESUME_MAY_CHANGE]
     if refused:
         raise UsageError(f"a resume cannot change {', '.join(refused)}: the checkpoint was made with the old value; "
@@ -383,6 +387,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
             raise UsageError(f"config file {path} must hold a mapping of option: value; fix its layout")
         known = {f.name for f in config_fields()}
         loaded.pop("launch", None)  # how the run was launched (launch.py): a record, not an option
+        loaded.pop("inputs", None)  # what the files it read were (data/fingerprint.py): a record too
         for key, value in loaded.items():
             name = canonical_key(key, f"{path}: ")
             if name not in known:

@@ -37,6 +37,7 @@ from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
 from finetune.collectives import WriteFailed, on_every_rank
+from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
 from finetune.errors import Stopped, UsageError
 from finetune.hardware import slow_bf16_warning
@@ -177,6 +178,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
                          for name in ("max_steps", "num_epochs"))
         for change in resume_changes(saved, cfg):
             accelerator.print(f"resume changes {change}")
+        check_same_inputs(saved.get("inputs"), cfg, resume_from)
     set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
     model, data = task.build(accelerator, backend, run_dir)
@@ -197,7 +199,9 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
-                                                      backend)},
+                                                      backend),
+             # Only the main process writes the record: it alone reads the files through.
+             "inputs": input_fingerprints(cfg) if accelerator.is_main_process else {}},
             sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,

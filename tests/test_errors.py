@@ -278,6 +278,8 @@ OTHER_COMMANDS = {
                               "--per_device_batch_size: must be > 0, got 0"),
     "evaluate with a block longer than the model": (lambda t, run: ["evaluate", run / "final", "--block_size", "4096"],
                                                     "--block_size 4096 is longer than the model's 256 positions"),
+    "resume into another --output_dir": (lambda t, run: ["resume", run, "--output_dir", t / "other"],
+                                         "takes no --output_dir"),
     "a validation split that leaves nothing to train on": (
         lambda t, run: ["train", "--dataset", _three_documents(t), "--validation_split", "0.99", "--output_dir",
                         t / "new"], "--validation_split 0.99 of 3 samples holds out every one of them"),

@@ -481,3 +481,56 @@ def test_a_run_that_loses_a_new_dir_to_another_removes_nothing(tmp_path, small_c
     assert "is in use by a live run" in one_error_line(proc.stderr)
     assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getppid()
     assert (run_dir / "metrics.jsonl").read_text() == "theirs\n"
+
+
+def test_overwrite_with_a_preset_trains_the_tokenizer_on_the_new_data(tmp_path, small_corpus):
+    """A preset's tokenizer is trained on the run's text: a run started over
+    with --overwrite on other text gets the tokenizer of that text, not the old run's."""
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"Zebra {i} quux wibble frobnicate {i * 7}." for i in range(400)) + "\n")
+    args = ["--model", "tiny-gpt2", "--block_size", "32", "--per_device_batch_size", "2", "--max_steps", "1",
+            "--sample_prompt", "", "--max_eval_batches", "1"]
+    run_dir, fresh = tmp_path / "run", tmp_path / "fresh"
+    check_ok(run_in_process("train", *args, "--dataset", small_corpus, "--output_dir", run_dir))
+    old = (run_dir / "tokenizer" / "tokenizer.json").read_text()
+    check_ok(run_in_process("train", *args, "--dataset", other, "--output_dir", run_dir, "--overwrite"))
+    check_ok(run_in_process("train", *args, "--dataset", other, "--output_dir", fresh))
+    new = (run_dir / "tokenizer" / "tokenizer.json").read_text()
+    assert new != old and new == (fresh / "tokenizer" / "tokenizer.json").read_text()
+    assert (run_dir / "final" / "tokenizer.json").read_text() == new
+
+
+def test_resume_reads_the_files_its_checkpoint_was_trained_on(tmp_path, monkeypatch):
+    """Data and template given as relative paths are recorded absolute, with
+    their content's fingerprint: a resume from another dir reads the same
+    files, and a file replaced under the same name (rows of another format,
+    an edited template) is refused in one line before anything is written."""
+    from sft_models import conversations, write_jsonl
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    write_jsonl(work / "chat.jsonl", conversations(48, seed=5))
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|endoftext|>' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    (work / "plain.jinja").write_text(template)
+    monkeypatch.chdir(work)
+    check_ok(run_in_process("train", "--model", "tiny-gpt2", "--dataset", "chat.jsonl", "--chat_template",
+                            "plain.jinja", "--max_steps", "2", "--checkpoint_every", "1", "--block_size", "64",
+                            "--sample_prompt", "", "--max_eval_batches", "1", "--output_dir", tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    monkeypatch.chdir(elsewhere)
+    check_ok(run_in_process("resume", run_dir, "--max_steps", "3"))  # the same files, found from anywhere
+
+    for name, replace in (("chat.jsonl", lambda p: write_jsonl(p, [{"instruction": r["messages"][-2]["content"],
+                                                                    "output": r["messages"][-1]["content"]}
+                                                                   for r in conversations(48, seed=5)])),
+                          ("plain.jinja", lambda p: p.write_text(template.replace(": ", ":: ")))):
+        original = (work / name).read_bytes()
+        replace(work / name)
+        before = snapshot(run_dir)
+        proc = run_in_process("resume", run_dir, "--max_steps", "4")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = one_error_line(proc.stderr)
+        assert f"{work / name} changed since" in line and "put the original back" in line
+        assert snapshot(run_dir) == before
+        (work / name).write_bytes(original)

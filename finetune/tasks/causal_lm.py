@@ -142,7 +142,9 @@ class CausalLM(Task):
         cfg = self.cfg
         if cfg.model in GPT2_PRESETS:
             tokenizer_dir = run_dir / "tokenizer"
-            if accelerator.is_main_process and not (tokenizer_dir / "tokenizer.json").is_file():
+            # A resume keeps the run's own; a new run (--overwrite too) trains on its own text.
+            resuming = bool(cfg.resume_from_checkpoint) and (tokenizer_dir / "tokenizer.json").is_file()
+            if accelerator.is_main_process and not resuming:
                 save_bpe_tokenizer(raw_train, GPT2_PRESETS[cfg.model]["vocab_size"], tokenizer_dir)
             accelerator.wait_for_everyone()
             tokenizer = load_preset_tokenizer(tokenizer_dir, cfg.model)

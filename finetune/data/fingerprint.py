@@ -1,0 +1,69 @@
+"""What a run read, by content: the local data and chat-template files its
+options name. Recorded in every checkpoint's run_config.yaml (under `inputs:`,
+a record, not an option) and compared when the run resumes: the data and the
+template are fixed by the checkpoint, so a file replaced under the same name
+is refused like a changed option."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UsageError
+
+# The options that name files the run reads; their values are recorded as absolute paths.
+INPUT_OPTIONS = ("dataset", "chat_template")
+
+
+def local_path(value: str) -> Path | None:
+    """The file or dir an option names, when it names one on this machine."""
+    return Path(value) if value and Path(value).exists() else None
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    """Size, newest mtime and SHA-256 of a file, or of every file under a dir
+    (names included). The hash decides; size and mtime say what changed."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not
+                                                 any(part.startswith(".") for part in p.relative_to(path).parts))
+    digest, size, mtime = hashlib.sha256(), 0, 0.0
+    for file in files:
+        stat = file.stat()
+        size, mtime = size + stat.st_size, max(mtime, stat.st_mtime)
+        if file != path:
+            digest.update(f"{file.relative_to(path)}\0{stat.st_size}\0".encode())
+        with file.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return {"path": str(path), "files": len(files), "bytes": size, "mtime": mtime, "sha256": digest.hexdigest()}
+
+
+def input_fingerprints(cfg) -> dict[str, dict]:
+    """The fingerprint of every local file or dir the run's options name."""
+    return {name: fingerprint(path) for name in INPUT_OPTIONS if (path := local_path(getattr(cfg, name)))}
+
+
+def check_same_inputs(recorded: Any, cfg, checkpoint_dir: Path) -> None:
+    """A resume reads what its checkpoint was trained on, or stops in one line."""
+    if not isinstance(recorded, dict):
+        return  # a checkpoint from before inputs were recorded
+    now = input_fingerprints(cfg)
+    for name in INPUT_OPTIONS:
+        before, after = recorded.get(name), now.get(name)
+        if not isinstance(before, dict) or before.get("sha256") == (after or {}).get("sha256"):
+            continue
+        if after is None:
+            raise UsageError(f"--{name} {getattr(cfg, name)} is gone; {checkpoint_dir} was trained on it: put it "
+                             "back to resume, or start a new run in another --output_dir")
+        what = (f"{before.get('bytes')} -> {after['bytes']} bytes" if before.get("bytes") != after["bytes"]
+                else "the same size, other content")
+        raise UsageError(f"--{name} {getattr(cfg, name)} changed since {checkpoint_dir} was written ({what}); a resume "
+                         "reads what its checkpoint was trained on: put the original back, or start a new run in "
+                         "another --output_dir")
+
+
+def absolute(value: str) -> str:
+    """An option's local path made absolute, so that a resume from another dir reads the same file."""
+    path = local_path(value)
+    return str(Path(os.path.abspath(path))) if path is not None else value
