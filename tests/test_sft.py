@@ -5,6 +5,7 @@ end under FSDP."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import check_ok, run_cli, run_in_process, train_rows
 from finetune.config import TrainConfig
-from finetune.data.chat import IGNORE, ChatEncoder, PadCollator, encode_split, pack, unpacked
+from finetune.data.chat import EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, encode_split, pack, unpacked
 from finetune.tasks.causal_lm import CausalLM
 from sft_models import CHATML, CHATML_TAGGED, conversations, save_chat_model, write_jsonl
 
@@ -61,6 +62,33 @@ def test_labels_are_the_answers_and_their_end_of_turn_token(chat_model, template
         assert [label != IGNORE for label in encoded.labels] == [bool(m) for m in rendered["assistant_masks"]]
     every = ChatEncoder(tokenizer, "chat", train_on_prompt=True).encode({"messages": CONVERSATION}, 0)
     assert every.labels == ids
+
+
+def test_a_template_that_rewrites_the_answer_trains_the_turn_through_its_end_token_only(chat_model):
+    """When the answer is not found verbatim (the template rewrites it), the
+    targets are the whole answer turn through <|im_end|>: never the newline after it."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHATML.replace("message['content']", "(message['content'] | upper)")
+    encoded = ChatEncoder(tokenizer, "chat", train_on_prompt=False).encode({"messages": CONVERSATION}, 0)
+    upper = [{**m, "content": m["content"].upper()} for m in CONVERSATION]
+    ids, targets = piecewise(tokenizer, upper)
+    assert encoded.input_ids == ids
+    assert encoded.labels == [t if is_target else IGNORE for t, is_target in zip(ids, targets)]
+
+
+@pytest.mark.parametrize("turn, words", [
+    ({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "ls"}}]},
+     "calls tools (tool_calls)"),
+    ({"role": "assistant", "content": "  "}, "an assistant turn is empty"),
+])
+def test_an_answer_with_nothing_to_learn_is_refused_naming_the_example(chat_model, turn, words):
+    from finetune.errors import UsageError
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHATML
+    row = {"messages": [*CONVERSATION[:4], turn], EXAMPLE_NUMBER: 7}
+    with pytest.raises(UsageError, match=r"^example 7: .*" + re.escape(words)):
+        ChatEncoder(tokenizer, "chat", train_on_prompt=False).encode(row, 0)
 
 
 def test_instruction_and_prompt_completion_rows(chat_model):

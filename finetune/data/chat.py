@@ -87,6 +87,13 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     if not any(m["role"] == "assistant" for m in messages):
         raise UsageError(f"{where}: the conversation has no assistant turn, so there is nothing to learn; "
                          "add the assistant's answer or drop the row")
+    if any(m.get("tool_calls") for m in messages):
+        # Only role and content are rendered: the call would be learnt as an empty answer.
+        raise UsageError(f"{where}: an assistant turn calls tools (tool_calls), and finetune trains on text answers "
+                         "only; drop the tool turns from that example, or write the call into the turn's content")
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
+        raise UsageError(f"{where}: an assistant turn is empty, so there is nothing to learn from it; write the "
+                         "answer or drop that turn")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -170,14 +177,12 @@ class ChatEncoder:
 
     def _answer_span(self, text: str, turn_start: int, content: str) -> tuple[int, int]:
         """From the answer's content through the first special token after it
-        (its end-of-turn token); the whole turn when the content is not found
-        verbatim (a template that rewrites it)."""
+        (its end-of-turn token); from the turn's start when the content is not
+        found verbatim (a template that rewrites it). What follows the
+        end-of-turn token (a newline) is never a target."""
         turn = text[turn_start:]
         found = next(((turn.find(c), c) for c in (content, content.strip()) if c and turn.find(c) >= 0), None)
-        if found is None:
-            return turn_start, len(text)
-        start, matched = found
-        after = start + len(matched)
+        start, after = (found[0], found[0] + len(found[1])) if found else (0, 0)
         ends = [(turn.find(t, after), t) for t in self.special_tokens]
         ends = [(pos, tok) for pos, tok in ends if pos >= 0]
         end = min(pos + len(tok) for pos, tok in ends) if ends else len(turn)
