@@ -196,14 +196,21 @@ def check_run_dir(cfg: TrainConfig) -> None:
                          "pass --overwrite, or choose another --output_dir")
 
 
+# What the trackers keep in a run dir, with links of their own (wandb's latest-run): finetune never writes there.
+TRACKER_DIRS = ("wandb", "mlruns")
+
+
 def first_link_inside(run_dir: Path) -> Path | None:
-    """A symbolic link anywhere under the run dir (which itself may be one), if any."""
+    """A symbolic link under the run dir (which itself may be one), if any,
+    outside what the trackers keep (those dirs themselves may not be links)."""
     if not run_dir.is_dir():
         return None
     for parent, dirs, files in os.walk(run_dir):  # does not descend into linked directories
         for name in sorted(dirs + files):
             if (path := Path(parent) / name).is_symlink():
                 return path
+        if Path(parent) == run_dir:
+            dirs[:] = [d for d in dirs if d not in TRACKER_DIRS]
     return None
 
 

@@ -430,7 +430,7 @@ def test_trust_remote_code_is_never_taken_from_a_file(checkpointed_run, tmp_path
     assert load_config(run_dir / "run_config.yaml", {"trust_remote_code": True}).trust_remote_code is True
 
 
-@pytest.mark.parametrize("link", ["summary.json", "loss.png", "final", "checkpoints/step_000012",
+@pytest.mark.parametrize("link", ["summary.json", "loss.png", "final", "wandb", "checkpoints/step_000012",
                                   "checkpoints/step_000006/model_config", ".heartbeats/rank0"])
 def test_a_link_inside_a_run_dir_is_refused_naming_it(link, checkpointed_run, tmp_path):
     """A run dir may come from someone else: a link in it would have a resume
