@@ -182,3 +182,37 @@ def test_the_memory_planner_predicts_each_stages_state(zero_runs, stage):
     rows = {e.strategy: e for e in estimate(model_shape("tiny-gpt2"), 2, 4, 64, mixed_precision=launch.mixed_precision)}
     measured = summary(zero_runs[stage])["state_bytes_per_rank"]
     assert rows[launch.strategy].state == pytest.approx(max(measured), rel=0.01)
+
+
+def test_lora_under_zero_2_and_3_trains_resumes_and_exports_as_under_fsdp(tmp_path, env, small_corpus):
+    """LoRA adapters (no dropout) under ZeRO-2 and ZeRO-3: the losses and the
+    merged final model of the FSDP run, an exact resume, and the export."""
+    args = ["train", *common_args(small_corpus), *TWO_RANKS, "--peft", "lora", "--lora_dropout", "0"]
+    runs = {name: tmp_path / name for name in ("fsdp", "zero2", "zero3")}
+    check_ok(run_cli([*args, "--output_dir", str(runs["fsdp"])], env, mixed_precision="no"))
+    for stage in (2, 3):
+        check_ok(run_cli([*args, "--output_dir", str(runs[f"zero{stage}"])], env, config=f"zero{stage}.yaml"))
+        assert summary(runs[f"zero{stage}"])["distributed_type"] == "DEEPSPEED"
+    reference = [r["loss"] for r in train_rows(runs["fsdp"])]
+    assert len(reference) == STEPS
+    merged = tensors(runs["fsdp"] / "final")
+    for stage in (2, 3):
+        run_dir = runs[f"zero{stage}"]
+        assert [r["loss"] for r in train_rows(run_dir)] == pytest.approx(reference, abs=1e-5), stage
+        final = tensors(run_dir / "final")
+        assert final.keys() == merged.keys() and not any("lora" in name for name in final)
+        assert max((final[n] - merged[n]).abs().max().item() for n in final) < 1e-5, stage
+
+    resumed = interrupted_copy(runs["zero3"], CHECKPOINT_AT, tmp_path / "resumed", metrics=True)
+    check_ok(run_cli(["resume", str(resumed)], env, config="zero3.yaml"))
+    after = {r["step"]: r["loss"] for r in train_rows(resumed)}
+    assert [after[s] for s in range(1, STEPS + 1)] == pytest.approx(reference, abs=1e-5)
+    resumed_final = tensors(resumed / "final")
+    assert max((resumed_final[n] - merged[n]).abs().max().item() for n in merged) < 1e-5
+
+    out = tmp_path / "exported"
+    proc = run_in_process("export", runs["zero3"], "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    exported = tensors(out)
+    assert exported.keys() == merged.keys()
+    assert max((exported[n] - tensors(runs["zero3"] / "final")[n]).abs().max().item() for n in merged) < 1e-6
