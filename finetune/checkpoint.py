@@ -137,12 +137,13 @@ def saved_config(checkpoint_dir: Path) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
-def verify_checkpoint(checkpoint_dir: Path) -> TrainingProgress:
+def verify_checkpoint(checkpoint_dir: Path, allow_unverified: bool = False) -> TrainingProgress:
     """Everything a resume reads, checked before anything is loaded: the
     manifest's checksums, the progress, the model and optimizer in the layout
     of the backend that wrote them (DCP shards: their metadata and non-tensor
-    items read safely), the scheduler and RNG files."""
-    verify_manifest(checkpoint_dir)
+    items read safely), the scheduler and RNG files. Without a manifest only
+    when `allow_unverified` (the command line's --allow_unverified_checkpoint)."""
+    verify_manifest(checkpoint_dir, allow_unverified=allow_unverified)
     progress = read_progress(checkpoint_dir)
     for_checkpoint(checkpoint_dir).check_checkpoint_files(checkpoint_dir)
     check_pickled_file(checkpoint_dir / "scheduler.bin")
@@ -220,7 +221,7 @@ def check_resumable(cfg: TrainConfig) -> None:
     check_run_dir(cfg)
     checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
     if checkpoint is not None:
-        verify_checkpoint(checkpoint)
+        verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
         saved = saved_config(checkpoint)
         resume_changes(saved, cfg)
         check_same_inputs(saved.get("inputs"), cfg, checkpoint)
@@ -281,8 +282,10 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
-                 method: ModelFilesPolicy, data: EpochBatches, backend: Backend | None = None):
+                 method: ModelFilesPolicy, data: EpochBatches, backend: Backend | None = None,
+                 allow_unverified: bool = False):
         self.accelerator = accelerator
+        self.allow_unverified = allow_unverified  # --allow_unverified_checkpoint: a resume may read one without a manifest
         self.backend = backend or Backend()  # the layout this run writes and reads
         self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
         self.data = data      # the training batches: their position is saved with every checkpoint
@@ -392,12 +395,12 @@ class CheckpointManager:
     def load(self, checkpoint_dir: Path, model: torch.nn.Module, seed: int) -> TrainingProgress:
         acc = self.accelerator
         start = time.perf_counter()
-        progress = verify_checkpoint(checkpoint_dir)
+        progress = verify_checkpoint(checkpoint_dir, self.allow_unverified)
         if (checkpoint_dir / MANIFEST).is_file():
             say(acc, f"verified {checkpoint_dir} against its manifest in {time.perf_counter() - start:.2f} s")
         else:
-            say(acc, f"note: {checkpoint_dir} has no {MANIFEST} (an older checkpoint): its files cannot be checked "
-                      "for damage")
+            say(acc, f"note: {checkpoint_dir} has no {MANIFEST}: its files were not checked for damage "
+                      "(--allow_unverified_checkpoint)")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
         self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc)
         self.method.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)

@@ -40,7 +40,7 @@ OPTION_GROUPS = {
                  "max_grad_norm", "seed", "loss_chunk_size"),
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
-                                "resume_from_checkpoint", "max_shard_size"),
+                                "resume_from_checkpoint", "allow_unverified_checkpoint", "max_shard_size"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
                                "report_to", "sample_prompt", "profile_steps"),
     "FSDP and launch (sharding, processes and precision come from `accelerate launch --config_file`; "
@@ -196,6 +196,9 @@ def _add_export(sub) -> None:
                         help="HF model dir or id for config and tokenizer, for checkpoints not written by finetune; "
                              "for a LoRA run, the base to merge into (default: the checkpoint's own model_config/, "
                              "and a LoRA run's recorded --model, checked against the base it was trained on)")
+    export.add_argument("--allow_unverified_checkpoint", action="store_true",
+                        help="export a checkpoint without manifest.json (written elsewhere, e.g. by accelerator."
+                             "save_state, or by an older finetune): its files cannot be checked (default: False)")
     export.add_argument("--trust_remote_code", action="store_true",
                         help="LoRA runs whose base has its own code: let it run to rebuild the base (only for bases "
                              "you trust; never taken from the run's files) (default: False)")
@@ -376,7 +379,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     threads = use_cpu_threads()
     out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
                             max_shard_size=args.max_shard_size, adapter_only=args.adapter_only,
-                            trust_remote_code=args.trust_remote_code)
+                            trust_remote_code=args.trust_remote_code,
+                            allow_unverified=args.allow_unverified_checkpoint)
     print(f"exported {args.source} -> {out}")
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0

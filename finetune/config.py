@@ -59,7 +59,7 @@ RESUME_MAY_CHANGE = {
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
 }
-RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite")
+RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allow_unverified_checkpoint")
 
 # The options that shape a run's data: recorded with its model (model_dir.py)
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
@@ -142,6 +142,8 @@ class TrainConfig:
     lora_target_modules: str = _opt("all-linear", "the modules that get adapters: all-linear (every linear layer but "
                                     "the output layer) or comma-separated module names (q_proj,v_proj; c_attn)")
     trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
+    allow_unverified_checkpoint: bool = _opt(False, "resume from a checkpoint without manifest.json (written elsewhere "
+                                             "or by an older finetune): its files cannot be checked for damage")
 
     # where
     output_dir: str = _opt("", "run directory; empty means outputs/<task>-<timestamp>")
@@ -199,6 +201,11 @@ class TrainConfig:
     overwrite: bool = _opt(False, "allow writing into an output_dir that already holds another run")
     ddp_timeout: int = _opt(1800, "seconds a rank waits for the others in a collective before the run ends, naming "
                             "the ranks that stopped answering (long enough for the main process to prepare data)")
+
+    def recorded(self) -> dict[str, Any]:
+        """What run_config.yaml keeps: every option but the permission that
+        held for one command only (the next resume checks its checkpoint)."""
+        return {k: v for k, v in self.to_dict().items() if k != "allow_unverified_checkpoint"}
 
     def resolved(self) -> "TrainConfig":
         """Fill in defaults that depend on other fields."""
@@ -402,6 +409,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         # A file may come from someone else: what lets a model or data dir run code is the user's own word.
         raise UsageError(f"{path} sets trust_remote_code, which lets the model's or data's own code run; it is taken "
                          f"only from the command line: pass --trust_remote_code if you trust {values.get('model', 'them')}")
+    if path and coerce("allow_unverified_checkpoint", values.get("allow_unverified_checkpoint", False)) \
+            and overrides.get("allow_unverified_checkpoint") is not True:
+        raise UsageError(f"{path} sets allow_unverified_checkpoint, which reads a checkpoint that cannot be checked; "
+                         "it is taken only from the command line: pass --allow_unverified_checkpoint")
     values.update(overrides)
     # Asked for on the command line: a run config file records every option, LoRA's defaults included.
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):

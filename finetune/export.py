@@ -60,7 +60,7 @@ def run_data(checkpoint_dir: Path) -> dict | None:
 
 def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
                       model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False,
-                      trust_remote_code: bool = False) -> Path:
+                      trust_remote_code: bool = False, allow_unverified: bool = False) -> Path:
     """The checkpoint as a HF model dir, as the fine-tuning method that wrote
     it saves its model (adapters merged into their base), or (adapter_only)
     the adapters alone. `trust_remote_code` is the command line's: the run's
@@ -70,8 +70,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     check_output_dir(output, overwrite)  # before the (possibly long) merge
     backend, weights = find_model_weights(source)
     checkpoint_dir = weights.parent
-    # What the export reads, against the checksums the checkpoint recorded (checkpoints without a manifest predate them).
-    verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR))
+    # What the export reads, against the checksums the checkpoint recorded.
+    verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR), allow_unverified=allow_unverified)
     model_files = checkpoint_dir / MODEL_CONFIG_DIR
     method = method_of_checkpoint(model_files)
     if adapter_only and not method.saves_adapters:

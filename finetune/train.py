@@ -198,11 +198,12 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     checkpoints = CheckpointManager(
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
-            {**cfg.to_dict(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
+            {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              # Only the main process writes the record: it alone reads the files through.
              "inputs": input_fingerprints(cfg) if accelerator.is_main_process else {}},
-            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches)
+            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches,
+        allow_unverified=cfg.allow_unverified_checkpoint)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
               schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,

@@ -149,12 +149,17 @@ def write_manifest(checkpoint_dir: Path) -> None:
     (checkpoint_dir / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": entries}, indent=1))
 
 
-def verify_manifest(checkpoint_dir: Path, under: tuple[str, ...] = ("",)) -> bool:
-    """Check the files listed under these sub-paths against the manifest.
-    False when the checkpoint has no manifest (written before there was one)."""
+def verify_manifest(checkpoint_dir: Path, under: tuple[str, ...] = ("",), allow_unverified: bool = False) -> bool:
+    """Check the files listed under these sub-paths against the manifest. A
+    checkpoint without one (written elsewhere, by an older finetune, or with
+    the manifest deleted) is refused unless the command line allows it: False then."""
     path = checkpoint_dir / MANIFEST
     if not path.is_file():
-        return False
+        if allow_unverified:
+            return False
+        raise UsageError(f"{checkpoint_dir} has no {MANIFEST}, so its files cannot be checked for damage or "
+                         "changes (it was written elsewhere, by an older finetune, or the manifest was deleted); "
+                         "pass --allow_unverified_checkpoint to read it anyway, only if you trust where it came from")
     try:
         files = json.loads(path.read_text())["files"]
         listed = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}

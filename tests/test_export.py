@@ -185,9 +185,12 @@ def test_plain_accelerate_checkpoint_exports_with_model(checkpointed_run, export
     shutil.copytree(checkpointed_run / "checkpoints" / "step_000006", plain,
                     ignore=shutil.ignore_patterns("training_progress.json", "run_config.yaml", "model_config",
                                                    "manifest.json"))
-    refused = finetune("export", plain, "--output", tmp_path / "out", env=env)
+    unverified = finetune("export", plain, "--output", tmp_path / "out", env=env)
+    assert unverified.returncode == 2 and "pass --allow_unverified_checkpoint" in unverified.stderr
+    refused = finetune("export", plain, "--output", tmp_path / "out", "--allow_unverified_checkpoint", env=env)
     assert refused.returncode == 2 and "pass --model" in refused.stderr
-    check_ok(finetune("export", plain, "--output", tmp_path / "out", "--model", checkpointed_run / "final", env=env))
+    check_ok(finetune("export", plain, "--output", tmp_path / "out", "--model", checkpointed_run / "final",
+                      "--allow_unverified_checkpoint", env=env))
     ours, plain_export = load_file(exported / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert ours.keys() == plain_export.keys()
     assert all(torch.equal(ours[k], plain_export[k]) for k in ours)

@@ -281,7 +281,7 @@ def test_missing_or_garbage_checkpoint_files_are_refused_naming_them(damage, nam
     checkpoint = _without_manifest(checkpointed_run, tmp_path)
     damage(checkpoint)
     with pytest.raises(UsageError, match=re.escape(named)):
-        verify_checkpoint(checkpoint)
+        verify_checkpoint(checkpoint, allow_unverified=True)
 
 
 def test_model_dirs_never_run_their_own_code(tmp_path, checkpointed_run):
@@ -534,3 +534,34 @@ def test_resume_reads_the_files_its_checkpoint_was_trained_on(tmp_path, monkeypa
         assert f"{work / name} changed since" in line and "put the original back" in line
         assert snapshot(run_dir) == before
         (work / name).write_bytes(original)
+
+
+def test_a_checkpoint_without_its_manifest_is_read_only_when_the_command_line_allows_it(checkpointed_run, tmp_path,
+                                                                                        env):
+    """A deleted manifest.json would turn verification off: resume and export
+    refuse the checkpoint in one line, unless --allow_unverified_checkpoint is
+    given, which no run config can grant and the resumed run does not record."""
+    import yaml
+
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    (run_dir / "checkpoints" / "step_000012" / "manifest.json").unlink()
+    before = snapshot(run_dir)
+    for command in (["resume", run_dir, "--no_relaunch", "--max_steps", "13"],
+                    ["export", run_dir, "--output", tmp_path / "out"]):
+        proc = run_in_process(*command)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = one_error_line(proc.stderr)
+        assert "step_000012 has no manifest.json" in line and "pass --allow_unverified_checkpoint" in line
+    assert snapshot(run_dir) == before and not (tmp_path / "out").exists()
+    record = yaml.safe_load((run_dir / "run_config.yaml").read_text())
+    config = tmp_path / "granting.yaml"
+    config.write_text(yaml.safe_dump({**record, "allow_unverified_checkpoint": True}))
+    proc = run_in_process("train", "--config", config, "--output_dir", run_dir, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 2 and "taken only from the command line" in one_error_line(proc.stderr)
+
+    check_ok(run_in_process("export", run_dir, "--output", tmp_path / "out", "--allow_unverified_checkpoint"))
+    # Typed in a plain shell: the permission goes with the relaunch to every rank.
+    proc = run_cli(["resume", str(run_dir), "--max_steps", "13", "--allow_unverified_checkpoint"], env, nproc=None)
+    check_ok(proc)
+    assert "has no manifest.json: its files were not checked" in proc.stdout
+    assert "allow_unverified_checkpoint" not in (run_dir / "run_config.yaml").read_text()
