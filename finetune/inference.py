@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Auto classes)
 from finetune.config import DATA_OPTIONS, TrainConfig
+from finetune.data.chat import check_chat_template
 from finetune.errors import UsageError
 from finetune.model_dir import read_run_data
 from finetune.models.gguf import converted_dir, is_gguf
@@ -50,6 +51,7 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: b
         if not tokenizer.chat_template:
             raise UsageError(f"the tokenizer in {model_dir} has no chat template; drop --chat, or train with "
                              "--chat_template FILE")
+        check_chat_template(tokenizer, f"the chat template of {model_dir}")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:

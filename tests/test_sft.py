@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import check_ok, run_cli, run_in_process, train_rows
 from finetune.config import TrainConfig
-from finetune.data.chat import EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, encode_split, pack, unpacked
+from finetune.data.chat import (EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, build_sft_splits, encode_split,
+                                 pack, unpacked)
 from finetune.tasks.causal_lm import CausalLM
 from sft_models import CHATML, CHATML_TAGGED, conversations, save_chat_model, write_jsonl
 
@@ -89,6 +90,57 @@ def test_an_answer_with_nothing_to_learn_is_refused_naming_the_example(chat_mode
     row = {"messages": [*CONVERSATION[:4], turn], EXAMPLE_NUMBER: 7}
     with pytest.raises(UsageError, match=r"^example 7: .*" + re.escape(words)):
         ChatEncoder(tokenizer, "chat", train_on_prompt=False).encode(row, 0)
+
+
+@pytest.mark.parametrize("long_examples, fix", [
+    ("truncate", "raise --block_size: cut there, no example keeps a token of its answer"),
+    ("drop", "raise --block_size or pass --long_examples truncate"),
+])
+def test_a_block_that_leaves_no_answer_says_what_would(chat_model, long_examples, fix):
+    """The fix offered fits the cause: under truncation (the default) only a
+    longer block helps; dropping can also give way to truncation."""
+    from datasets import Dataset, DatasetDict
+
+    from finetune.errors import UsageError
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    tokenizer.chat_template = CHATML
+    raw = DatasetDict({"train": Dataset.from_dict({"messages": [CONVERSATION] * 3})})
+    with pytest.raises(UsageError, match=re.escape(fix)):
+        build_sft_splits(raw, tokenizer, "chat", 8, False, True, long_examples)
+
+
+@pytest.mark.parametrize("text, words", [
+    (b"{% for m in messages %}{{ m['content'] }}\xff{% endfor %}", "is not UTF-8 text (byte "),
+    ("{% for m in messages %}\n{{ m['content'] }", ": line 2: "),
+    ("{{ 1/0 }}", "fails to render a conversation (ZeroDivisionError"),
+    ("{% for m in messages %}{{ m['role'] + 1 }}{% endfor %}", "fails to render a conversation (TypeError"),
+    ("These are my notes, not a template.\n", "does not write the messages' content"),
+], ids=["not-utf8", "syntax", "division", "str-plus-int", "not-a-template"])
+def test_a_template_file_is_checked_when_it_is_read(chat_model, tmp_path, text, words):
+    """One line naming the file, before any example is rendered (and blamed)."""
+    from finetune.data.chat import load_chat_template
+    from finetune.errors import UsageError
+
+    path = tmp_path / "template.jinja"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    with pytest.raises(UsageError, match=r"^--chat_template " + re.escape(str(path)) + ".*" + re.escape(words)):
+        load_chat_template(tokenizer, str(path), "chat", str(chat_model))
+
+
+def test_generate_chat_with_a_template_that_fails_is_one_line(chat_model, tmp_path):
+    from test_errors import one_error_line
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(chat_model, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
+    tokenizer.save_pretrained(model_dir)
+    proc = run_in_process("generate", model_dir, "--chat", "--prompt", "What does sorted do?")
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert f"the chat template of {model_dir} fails to render a conversation (TypeError" in line
 
 
 def test_instruction_and_prompt_completion_rows(chat_model):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
 
 from finetune.errors import UsageError
@@ -194,6 +194,9 @@ class ChatEncoder:
         except TemplateError as e:  # templates refuse what they cannot render (a system turn, roles out of order)
             raise UsageError(f"{where}: the chat template refused the conversation ({e}); fix that example, or "
                              "pass --chat_template FILE with a template that renders it") from None
+        except Exception as e:  # noqa: BLE001  (template code failing on this example's content)
+            raise UsageError(f"{where}: the chat template failed on it ({type(e).__name__}: {str(e)[:120]}); fix "
+                             "that example, or the template") from None
 
 
 def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, data_format: str, model: str) -> None:
@@ -203,10 +206,34 @@ def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, d
         path = Path(template_file)
         if not path.is_file():
             raise UsageError(f"--chat_template {template_file} does not exist; pass a Jinja template file")
-        tokenizer.chat_template = path.read_text()
+        try:
+            tokenizer.chat_template = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"--chat_template {path} is not UTF-8 text (byte {e.start}); pass a Jinja template "
+                             "file") from None
+        check_chat_template(tokenizer, f"--chat_template {path}")
     elif data_format in ("chat", "instruction") and not tokenizer.chat_template:
         raise UsageError(f"--data_format {data_format} is rendered with a chat template, and the tokenizer of "
                          f"--model {model} has none; pass --chat_template FILE")
+
+
+PROBE = [{"role": "user", "content": "probe question 7"}, {"role": "assistant", "content": "probe answer 7"}]
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, what: str) -> None:
+    """A template renders a plain exchange, with its content, before any
+    example is blamed for it. Template code can raise anything (a syntax error,
+    `{{ 1/0 }}`, str + int): every failure is this file's, said in one line."""
+    try:
+        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    except TemplateSyntaxError as e:
+        raise UsageError(f"{what}: line {e.lineno}: {e.message}; fix the template's Jinja syntax") from None
+    except Exception as e:  # noqa: BLE001  (user code: any exception is the template's)
+        raise UsageError(f"{what} fails to render a conversation ({type(e).__name__}: {str(e)[:120]}); fix the "
+                         "template") from None
+    if not isinstance(rendered, str) or PROBE[1]["content"] not in rendered:
+        raise UsageError(f"{what} does not write the messages' content (it rendered {str(rendered)[:60]!r}); pass "
+                         "a Jinja chat template that renders each message's content")
 
 
 # --- examples -> training rows --------------------------------------------------------------------
@@ -327,8 +354,10 @@ def build_sft_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, data_
         examples, stats = encode_split(split, encoder, block_size, long_examples, f"rendering {name} {data_format}",
                                        num_proc)
         if stats.examples == 0:
+            fix = ("raise --block_size or pass --long_examples truncate" if long_examples == "drop"
+                   else "raise --block_size: cut there, no example keeps a token of its answer")
             raise UsageError(f"no {name} example is left after fitting to --block_size {block_size} "
-                             f"({stats.describe()}); raise --block_size or pass --long_examples truncate")
+                             f"({stats.describe()}); {fix}")
         out[name] = pack(examples, block_size) if packing else unpacked(examples)
         notes.append(f"{name}: {stats.describe()}" + (f" in {len(out[name])} packed blocks" if packing else ""))
     return DatasetDict(out), "; ".join(notes)
