@@ -215,16 +215,28 @@ def first_link_inside(run_dir: Path) -> Path | None:
     return None
 
 
-def check_resumable(cfg: TrainConfig) -> None:
-    """What a resume can check before any process starts: the run dir, the
-    checkpoint's files, and the changes asked of it."""
+def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
+    """What a resume can check before any process starts (on `num_processes`
+    ranks): the run dir, the checkpoint's files, the changes asked of it, the
+    files it read, whether its layout resumes on that many ranks, and the base
+    under its adapters."""
+    from finetune.tasks.base import build_task
+
     check_run_dir(cfg)
     checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
     if checkpoint is not None:
-        verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
+        progress = verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
         saved = saved_config(checkpoint)
         resume_changes(saved, cfg)
         check_same_inputs(saved.get("inputs"), cfg, checkpoint)
+        dataset = Path(cfg.dataset)
+        if cfg.dataset and not dataset.exists() and (dataset.suffix or cfg.dataset.startswith((".", "/"))):
+            raise UsageError(f"--dataset {cfg.dataset} does not exist from {Path.cwd()}; {checkpoint} was trained on "
+                             "it: resume from the dir the run was started in, or put the data back")
+        if num_processes is not None:
+            for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
+        task = build_task(cfg)
+        task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
 
 
 class StoredState:
@@ -402,7 +414,7 @@ class CheckpointManager:
             say(acc, f"note: {checkpoint_dir} has no {MANIFEST}: its files were not checked for damage "
                       "(--allow_unverified_checkpoint)")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
-        self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc)
+        self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc.num_processes)
         self.method.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)
         start = time.perf_counter()
         with self.stored.applied(), self.backend.loading_checkpoint():

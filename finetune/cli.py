@@ -368,7 +368,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     launch = checked_record(recorded.get("launch"), Path(args.run_dir))
     if args.no_relaunch or "launcher_options" not in launch:
         return _run(cfg)
-    check_resumable(cfg)  # bad input fails here, in seconds, before any process starts
+    # Bad input fails here, in seconds, before any process starts.
+    check_resumable(cfg, args.num_processes or launch.get("num_processes"))
     return relaunch(Path(args.run_dir), launch, without_options(args.argv, {"--num_processes"}), args.num_processes)
 
 

@@ -154,6 +154,10 @@ def test_deepspeed_checkpoint_on_another_world_size(zero_runs, tmp_path, env):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors and "written by 2 DeepSpeed rank(s) and this run has 1" in errors[0], proc.stderr[-2000:]
     assert "--num_processes 2" in errors[0]
+    # Typed in a plain shell: refused before the relaunch.
+    proc = run_in_process("resume", run_dir, "--num_processes", "1")
+    assert proc.returncode == 2 and "relaunching" not in proc.stdout
+    assert "written by 2 DeepSpeed rank(s) and this run has 1" in one_error_line(proc.stderr)
     assert snapshot(run_dir) == before
 
 

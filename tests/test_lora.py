@@ -194,6 +194,7 @@ def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
     # Typed in a plain shell: relaunched as the run was, and the workers' exit code comes back.
     proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, nproc=None)
     assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr[-2000:]
+    assert "relaunching" not in proc.stdout  # found before any process started
     assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]  # no rank died with a traceback
     assert sorted(p.name for p in (lora_run / "checkpoints").iterdir()) == before
 

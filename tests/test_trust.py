@@ -565,3 +565,22 @@ def test_a_checkpoint_without_its_manifest_is_read_only_when_the_command_line_al
     check_ok(proc)
     assert "has no manifest.json: its files were not checked" in proc.stdout
     assert "allow_unverified_checkpoint" not in (run_dir / "run_config.yaml").read_text()
+
+
+def test_a_run_that_recorded_its_data_relative_is_refused_where_the_path_is_gone(checkpointed_run, tmp_path,
+                                                                                 monkeypatch):
+    """Runs from before absolute paths recorded `--dataset data/corpus.txt`:
+    resumed from another dir, that is one line before any process starts."""
+    import yaml
+
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    for config in (run_dir / "run_config.yaml", *run_dir.glob("checkpoints/*/run_config.yaml")):
+        record = yaml.safe_load(config.read_text())
+        record.pop("inputs", None)
+        config.write_text(yaml.safe_dump({**record, "dataset": "data/corpus.txt"}, sort_keys=False))
+    (run_dir / "checkpoints" / "step_000012" / "manifest.json").unlink()  # the record was edited above
+    monkeypatch.chdir(tmp_path)
+    proc = run_in_process("resume", run_dir, "--allow_unverified_checkpoint")
+    assert proc.returncode == 2 and "relaunching" not in proc.stdout
+    line = one_error_line(proc.stderr)
+    assert f"--dataset data/corpus.txt does not exist from {tmp_path}" in line and "resume from the dir" in line

@@ -209,8 +209,8 @@ class Backend:
             raise UsageError(f"{weights} is not readable safetensors ({str(e).strip().splitlines()[0][:80]}); the "
                              "checkpoint is damaged, resume from an earlier one") from None
 
-    def check_resume_world_size(self, checkpoint_dir: Path, written_by: int, accelerator: Accelerator) -> None:
-        """A checkpoint this backend cannot reshard to this run's ranks stops the resume."""
+    def check_resume_world_size(self, checkpoint_dir: Path, written_by: int, num_processes: int) -> None:
+        """A checkpoint this backend cannot reshard to `num_processes` ranks stops the resume."""
 
     def loading_checkpoint(self):
         """Around the engine's own reading of a checkpoint (nothing unpickled unchecked)."""

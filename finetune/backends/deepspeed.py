@@ -259,10 +259,10 @@ class DeepSpeed(Backend):
         groups = [*(saved.get("param_shapes") or []), saved.get("frozen_param_shapes") or {}]
         return {name: tuple(shape) for group in groups for name, shape in group.items()}
 
-    def check_resume_world_size(self, checkpoint_dir: Path, written_by: int, accelerator: Accelerator) -> None:
-        if written_by != accelerator.num_processes:
+    def check_resume_world_size(self, checkpoint_dir: Path, written_by: int, num_processes: int) -> None:
+        if written_by != num_processes:
             raise UsageError(f"{checkpoint_dir} was written by {written_by} DeepSpeed rank(s) and this run has "
-                             f"{accelerator.num_processes}: DeepSpeed checkpoints resume on the same number of processes; "
+                             f"{num_processes}: DeepSpeed checkpoints resume on the same number of processes; "
                              f"relaunch with --num_processes {written_by}, or export it and start from the "
                              "export with --model")
 

@@ -69,6 +69,9 @@ class FullFineTune:
     def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None:
         """A resume's check that the checkpoint was written for this run's base."""
 
+    def check_base_before_launch(self, task, model_files: Path, checkpoint_dir: Path) -> None:
+        """The same check, before any process starts, where it needs no weights loaded."""
+
     # --- the final model and the export ---------------------------------------------------------
 
     def final_weights(self, specs: dict[str, tuple[torch.Size, torch.dtype]], fetch: Callable,

@@ -286,6 +286,20 @@ class LoRA(FullFineTune):
     def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None:
         check_same_base(read_base_record(model_files / BASE_RECORD), self.base_record, checkpoint_dir)
 
+    def check_base_before_launch(self, task, model_files: Path, checkpoint_dir: Path) -> None:
+        """A local base: its shapes (built on the meta device) and its files;
+        a Hub id or a preset is checked once loaded."""
+        from finetune.models import load_config
+        from finetune.models.gguf import is_gguf
+
+        source = task.model_source
+        if not Path(source).exists() or is_gguf(source):
+            return
+        config = load_config(source, task.cfg.trust_remote_code, ", ".join(task.entry.presets))
+        with torch.device("meta"):
+            base = task.entry.auto().from_config(config, trust_remote_code=task.cfg.trust_remote_code)
+        check_same_base(read_base_record(model_files / BASE_RECORD), base_record(source, base), checkpoint_dir)
+
     # --- the final model and the export ---------------------------------------------------------
 
     def final_weights(self, specs: dict[str, tuple[torch.Size, torch.dtype]], fetch: Callable,
