@@ -231,7 +231,7 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, what: str) -> None:
     except Exception as e:  # noqa: BLE001  (user code: any exception is the template's)
         raise UsageError(f"{what} fails to render a conversation ({type(e).__name__}: {str(e)[:120]}); fix the "
                          "template") from None
-    if not isinstance(rendered, str) or PROBE[1]["content"] not in rendered:
+    if not isinstance(rendered, str) or PROBE[1]["content"] not in rendered.lower():  # some templates change case
         raise UsageError(f"{what} does not write the messages' content (it rendered {str(rendered)[:60]!r}); pass "
                          "a Jinja chat template that renders each message's content")
 
