@@ -183,6 +183,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
     writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
+    if not writable.is_dir():
+        raise UsageError(f"--output_dir {run_dir} cannot be made: {writable} is a file; choose another --output_dir")
     if not os.access(writable, os.W_OK):
         raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
                          "--output_dir")

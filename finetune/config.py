@@ -233,6 +233,8 @@ class TrainConfig:
         except ValueError:
             raise UsageError(f"--max_shard_size {self.max_shard_size!r} is not a size; write e.g. 2GB, 500MiB or "
                              "2000000000") from None
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be between 0 and {2**32 - 1}, got {self.seed}; pass e.g. 42")
         if self.max_steps == 0 and self.num_epochs == 0:
             raise UsageError("both --max_steps and --num_epochs are 0; set one of them to how long to train")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):

@@ -84,10 +84,11 @@ class RunLock:
         return holder
 
 
-def remove_new_run_dir(run_dir: Path) -> None:
+def remove_new_run_dir(run_dir: Path, new_parents: list[Path]) -> None:
     """Removes a run dir this process created and gave up before the run wrote
     its record (bad input), under its lock taken again: never while another
-    process holds it, so nothing another run put there is removed."""
+    process holds it, so nothing another run put there is removed. Then the
+    parents made for it, nearest first, while they are empty."""
     lock = run_dir / LOCK_FILE
     try:
         os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
@@ -101,7 +102,8 @@ def remove_new_run_dir(run_dir: Path) -> None:
         else:
             entry.unlink(missing_ok=True)
     lock.unlink(missing_ok=True)
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass  # something arrived after the lock was released
+    for made in (run_dir, *new_parents):
+        try:
+            made.rmdir()
+        except OSError:
+            return  # something arrived after the lock was released, or another run's dir

@@ -124,6 +124,7 @@ def train(cfg: TrainConfig) -> dict:
     task.method.check_supported_here()
     run_dir = Path(cfg.output_dir)
     fresh_run_dir = not run_dir.exists()
+    new_parents = [p for p in run_dir.absolute().parents if not p.exists()]  # made with the run dir
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
                                     run_dir, timeout_s=cfg.ddp_timeout, backend=backend)
@@ -142,7 +143,7 @@ def train(cfg: TrainConfig) -> dict:
         # Bad input found before the run started writing (run_config.yaml comes
         # first) leaves no half-made run dir behind: only a dir this run made and locked.
         if fresh_run_dir and lock.taken and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
-            remove_new_run_dir(run_dir)
+            remove_new_run_dir(run_dir, new_parents)
         raise
     finally:
         # Free the wrapped model while the process group is alive: a DDP reducer

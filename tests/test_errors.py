@@ -123,6 +123,24 @@ def _template_without_system(tmp: Path) -> Path:
 
 ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
 
+
+def _latin1_jsonl(tmp: Path) -> Path:
+    (tmp / "latin1.jsonl").write_bytes('{"text": "caf\u00e9 au lait"}\n'.encode("latin-1"))
+    return tmp / "latin1.jsonl"
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "notes.txt").write_text("not a dir\n")
+    return tmp / "notes.txt"
+
+
+def _binary_text_parquet(tmp: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [b"\x00\x01 raw bytes", b"more bytes"]}), str(tmp / "bytes.parquet"))
+    return tmp / "bytes.parquet"
+
 CASES = {
     "missing data": (lambda t: ["--dataset", str(t / "no_such_file.txt")], "does not exist"),
     "empty data": (lambda t: ["--dataset", str(_empty_file(t))], "is empty"),
@@ -165,6 +183,15 @@ CASES = {
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": [{"role": "system", "content": "Be brief."}, *ANSWERED]}),
                    "--chat_template", str(_template_without_system(t))],
         "example 1: the chat template refused the conversation (no system turns)"),
+    "a seed out of range": (lambda t: ["--seed", "-1"], "--seed must be between 0 and 4294967295, got -1"),
+    "data that is not UTF-8": (lambda t: ["--dataset", str(_latin1_jsonl(t))], "is not UTF-8 text (at byte offset 13: 0xe9)"),
+    "an output dir under a file": (lambda t: ["--output_dir", str(_a_file(t) / "run")],
+                                   "notes.txt is a file; choose another --output_dir"),
+    "a text column that holds conversations": (  # in new parent dirs: they go too
+        lambda t: [*_chat_rows(t, {"messages": ANSWERED}), "--data_format", "text", "--text_column", "messages",
+                   "--output_dir", str(t / "new" / "deeper" / "run")], "column 'messages' holds list values, not text"),
+    "a text column of bytes": (lambda t: ["--dataset", str(_binary_text_parquet(t))],
+                               "column 'text' holds binary values, not text"),
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),

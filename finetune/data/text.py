@@ -68,6 +68,11 @@ def _text_splits(raw: DatasetDict, dataset: str, text_column: str, validation_sp
     if text_column not in columns:
         raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {', '.join(columns)}); "
                          "pass --text_column with the right name")
+    feature = train_split(raw, split).features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        kind = getattr(feature, "dtype", None) or type(feature).__name__.lower()
+        raise UsageError(f"--dataset {dataset}: column {text_column!r} holds {kind} values, not text; pass "
+                         "--text_column with the text, or --data_format chat/instruction for conversations")
     raw = DatasetDict({name: split.select_columns([text_column]).rename_column(text_column, "text")
                        if text_column != "text" else split.select_columns(["text"]) for name, split in raw.items()})
     if train_split(raw, split).info.builder_name == "text":
