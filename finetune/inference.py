@@ -15,6 +15,7 @@ from finetune.config import DATA_OPTIONS, TrainConfig
 from finetune.data.chat import check_chat_template
 from finetune.errors import UsageError
 from finetune.model_dir import read_run_data
+from finetune.models import check_model_files
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.tasks import task_for_config
 
@@ -25,6 +26,8 @@ def load_model_dir(model_dir: str):
         model_dir = str(converted_dir(model_dir))
     elif not Path(model_dir).exists() and (model_dir.startswith((".", "/", "~")) or model_dir.count("/") > 1):
         raise UsageError(f"{model_dir} does not exist; pass the output of `finetune export` or a run's final/")
+    if Path(model_dir).is_dir():
+        check_model_files(Path(model_dir), str(model_dir))
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         task = task_for_config(config)
@@ -59,9 +62,15 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: b
     torch.manual_seed(seed)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                         **sampling)
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                             else tokenizer.eos_token_id, **sampling)
+    except IndexError:  # a learned position embedding looked up past its table
+        raise UsageError(f"the prompt's {ids.size(1)} tokens and --max_new_tokens {max_new_tokens} pass the "
+                         f"{positions} positions of {model_dir}; pass --max_new_tokens "
+                         f"{max(1, (positions or 0) - ids.size(1))} or less") from None
     return tokenizer.decode(out[0, ids.size(1):] if chat else out[0], skip_special_tokens=True).strip()
 
 

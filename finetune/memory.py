@@ -123,6 +123,9 @@ def read_launch_config(path: str | None) -> LaunchConfig:
         launch = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise UsageError(f"cannot read --accelerate_config {path} ({e}); pass a YAML file") from None
+    if not isinstance(launch, dict):
+        raise UsageError(f"--accelerate_config {path} holds a {type(launch).__name__}, not the mapping of settings an "
+                         "accelerate config is; pass one of `finetune configs`, or one `accelerate config` wrote")
     backend = for_launch_config(launch)
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
                         # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)

@@ -307,10 +307,37 @@ OTHER_COMMANDS = {
                                                     "--block_size 4096 is longer than the model's 256 positions"),
     "resume into another --output_dir": (lambda t, run: ["resume", run, "--output_dir", t / "other"],
                                          "takes no --output_dir"),
+    "a cut-short safetensors file": (
+        lambda t, run: ["generate", _damaged_model(t, run, lambda d: os.truncate(d / "model.safetensors", 4096)),
+                        "--prompt", "The"], "model.safetensors is not a whole safetensors file"),
+    "a pickled .bin model": (lambda t, run: ["generate", _damaged_model(t, run, _pickled_bin), "--prompt", "The"],
+                             "pytorch_model.bin is a pickle holding more than tensors"),
+    "a tokenizer.json of another structure": (
+        lambda t, run: ["evaluate", _damaged_model(t, run, lambda d: (d / "tokenizer.json").write_text('{"model": 5}'))],
+        "tokenizer.json is not a tokenizer file"),
+    "generating past the model's positions": (
+        lambda t, run: ["generate", run / "final", "--prompt", "The", "--max_new_tokens", "5000"],
+        "pass the 256 positions of"),
+    "an accelerate config that is not a mapping": (
+        lambda t, run: ["estimate-memory", "--model", "tiny-gpt2", "--accelerate_config", _yaml(t, "- a\n- list\n")],
+        "holds a list, not the mapping of settings"),
     "a validation split that leaves nothing to train on": (
         lambda t, run: ["train", "--dataset", _three_documents(t), "--validation_split", "0.99", "--output_dir",
                         t / "new"], "--validation_split 0.99 of 3 samples holds out every one of them"),
 }
+
+
+def _damaged_model(tmp: Path, run: Path, damage) -> Path:
+    """A copy of the run's final model dir, with `damage` done to it."""
+    model_dir = tmp / "model"
+    shutil.copytree(run / "final", model_dir)
+    damage(model_dir)
+    return model_dir
+
+
+def _pickled_bin(model_dir: Path) -> None:
+    (model_dir / "model.safetensors").unlink()
+    torch.save({"transformer.wte.weight": torch.zeros(2), "payload": Path("/etc")}, model_dir / "pytorch_model.bin")
 
 
 def _three_documents(tmp: Path) -> Path:

@@ -92,13 +92,49 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def check_model_files(model_dir: Path, what: str) -> None:
+    """A local model dir's weight and tokenizer files, read as far as needed to
+    know they are whole and of their kind, before transformers reads them (a
+    truncated download, a pickle, a tokenizer.json of another structure would
+    otherwise end in its traceback)."""
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
+
+    safetensors = sorted(model_dir.glob("*.safetensors"))
+    for file in safetensors:
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UsageError(f"{what}: {file} is not a whole safetensors file ({_first_line(e)}); copy or download "
+                             "it again") from None
+    for file in [] if safetensors else sorted(model_dir.glob("pytorch_model*.bin")):
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError):
+            raise UsageError(f"{what}: {file} is a pickle holding more than tensors, which finetune never unpickles; "
+                             "convert the model to safetensors where it came from") from None
+    if (tokenizer_file := model_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # noqa: BLE001  (the Rust reader's errors have no common type)
+            raise UsageError(f"{what}: {tokenizer_file} is not a tokenizer file ({_first_line(e)[:120]}); save the "
+                             "model's tokenizer with save_pretrained") from None
+
+
 def load_config(name_or_path: str, trust_remote_code: bool, presets: str) -> PretrainedConfig:
     """The HF config of a Hub id or a local HF model dir, with errors that say
-    what to do (`presets` names the presets to suggest instead)."""
+    what to do (`presets` names the presets to suggest instead); a local dir's
+    weight and tokenizer files are checked too."""
     path = Path(name_or_path)
     if path.exists() and not (path / "config.json").is_file():
         raise UsageError(f"--model {name_or_path} is not a model directory (no config.json); "
                          f"pass a dir written by save_pretrained, a Hub id, or a preset ({presets})")
+    if path.is_dir():
+        check_model_files(path, f"--model {name_or_path}")
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
