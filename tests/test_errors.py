@@ -321,6 +321,10 @@ OTHER_COMMANDS = {
     "an accelerate config that is not a mapping": (
         lambda t, run: ["estimate-memory", "--model", "tiny-gpt2", "--accelerate_config", _yaml(t, "- a\n- list\n")],
         "holds a list, not the mapping of settings"),
+    "a cut-short GGUF file": (lambda t, run: ["estimate-memory", "--model", _gguf(t, 1, 1, b"\x05\x00")],
+                              "as GGUF ("),
+    "a GGUF header asking for 2^60 tensors": (lambda t, run: ["generate", _gguf(t, 2**60, 1), "--prompt", "The"],
+                                              "its GGUF header is not one a model has"),
     "a validation split that leaves nothing to train on": (
         lambda t, run: ["train", "--dataset", _three_documents(t), "--validation_split", "0.99", "--output_dir",
                         t / "new"], "--validation_split 0.99 of 3 samples holds out every one of them"),
@@ -338,6 +342,14 @@ def _damaged_model(tmp: Path, run: Path, damage) -> Path:
 def _pickled_bin(model_dir: Path) -> None:
     (model_dir / "model.safetensors").unlink()
     torch.save({"transformer.wte.weight": torch.zeros(2), "payload": Path("/etc")}, model_dir / "pytorch_model.bin")
+
+
+def _gguf(tmp: Path, tensors: int, keys: int, rest: bytes = b"") -> Path:
+    """A GGUF file's header (magic, version 3, the counts) and what follows it."""
+    path = tmp / f"crafted-{tensors}.gguf"
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + tensors.to_bytes(8, "little") + keys.to_bytes(8, "little")
+                     + rest)
+    return path
 
 
 def _three_documents(tmp: Path) -> Path:

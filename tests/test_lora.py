@@ -361,10 +361,17 @@ def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
     (["--peft", "lora", "--lora_r", "0"], "--lora_r must be > 0"),
     (["--lora_r", "4"], "add --peft lora"),
     (["--peft", "lora", "--task", "image-classification"], "for --task causal-lm"),
+    (["--peft", "lora", "--lora_target_modules", "ln_f", "--max_steps", "1"], "names ln_f, a LayerNorm, which takes no"),
 ])
 def test_lora_option_errors(options, message, tmp_path):
     proc = run_in_process("train", *options, "--output_dir", tmp_path / "run")
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_planner_refuses_a_target_that_takes_no_adapter():
+    proc = run_in_process("estimate-memory", "--model", "tiny-gpt2", "--peft", "lora", "--lora_target_modules", "ln_f")
+    assert proc.returncode == 2 and "names ln_f, a LayerNorm, which takes no LoRA adapter" in one_error_line(proc.stderr)
 
 
 def test_export_never_takes_trust_remote_code_from_the_run(lora_run, gpt2_dir, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -34,11 +35,29 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Far above any model's (SmolLM2: 272 tensors, 36 keys), far below what a crafted header could ask to allocate.
+MAX_GGUF_ENTRIES = 1 << 20
+
+
+def check_gguf_header(path: Path) -> None:
+    """The fixed header of a GGUF file (magic, version, tensor and key counts),
+    checked before a reader trusts its counts."""
+    with path.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise UsageError(f"--model {path} is not a GGUF file (no GGUF header); pass a .gguf model file")
+    version, tensors, keys = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3) or tensors > MAX_GGUF_ENTRIES or keys > MAX_GGUF_ENTRIES:
+        raise UsageError(f"--model {path}: its GGUF header is not one a model has (version {version}, {tensors} "
+                         f"tensors, {keys} keys); the file is damaged or not a model: fetch it again")
+
+
 def converted_dir(gguf_path: str) -> Path:
     """The HF model dir of a GGUF file, converted on first use."""
     path = Path(gguf_path)
     if not path.is_file():
         raise UsageError(f"--model {gguf_path} does not exist; pass an existing .gguf file")
+    check_gguf_header(path)
     target = cache_root() / "gguf" / f"{path.stem}-{file_digest(path)[:16]}"
     if (target / "config.json").is_file():
         return target
@@ -53,9 +72,10 @@ def converted_dir(gguf_path: str) -> Path:
         quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                          trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise UsageError(f"could not read --model {gguf_path} as GGUF ({str(e).strip().splitlines()[0][:200]}); "
-                         "pass a GGUF file of an architecture transformers supports") from None
+    except Exception as e:  # noqa: BLE001  (a parser of an untrusted binary: any failure is the file's)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UsageError(f"could not read --model {gguf_path} as GGUF ({reason}); pass a whole GGUF file of an "
+                         "architecture transformers supports") from None
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

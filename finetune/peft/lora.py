@@ -66,6 +66,10 @@ def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
 
 
+# What peft puts LoRA adapters on (and transformers' Conv1D, GPT-2's linear layer).
+ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+
+
 def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
     """The model with LoRA adapters on its target modules and every other
     parameter frozen; a target that matches nothing is the user's to fix."""
@@ -74,11 +78,15 @@ def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
     if not isinstance(config.target_modules, str):  # peft only refuses a list none of whose names match
-        modules = [name for name, _ in model.named_modules()]
         for key in sorted(config.target_modules):
-            if not any(name == key or name.endswith("." + key) for name in modules):
+            matches = [m for name, m in model.named_modules() if name == key or name.endswith("." + key)]
+            if not matches:
                 raise UsageError(f"--lora_target_modules names {key}, which matches no module of the model; its "
                                  f"linear layers are {', '.join(linear)} (or pass all-linear)")
+            other = next((m for m in matches if not isinstance(m, ADAPTABLE) and type(m).__name__ != "Conv1D"), None)
+            if other is not None:
+                raise UsageError(f"--lora_target_modules names {key}, a {type(other).__name__}, which takes no LoRA "
+                                 f"adapter; name linear layers ({', '.join(linear)}) or pass all-linear")
     with quiet_peft():
         return get_peft_model(model, config)
 
