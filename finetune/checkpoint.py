@@ -128,10 +128,10 @@ def read_progress(checkpoint_dir: Path) -> TrainingProgress:
 def saved_config(checkpoint_dir: Path) -> dict:
     """The run config a checkpoint was written with ({} for one without)."""
     try:
-        saved = yaml.safe_load((checkpoint_dir / "run_config.yaml").read_text())
+        saved = yaml.safe_load((checkpoint_dir / "run_config.yaml").read_text(encoding="utf-8"))
     except OSError:
         return {}
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeDecodeError):
         raise UsageError(f"{checkpoint_dir / 'run_config.yaml'} is not valid YAML; the checkpoint is damaged, "
                          "resume from an earlier one") from None
     return saved if isinstance(saved, dict) else {}

@@ -347,8 +347,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if not run_config.is_file():
         raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
     try:
-        recorded = yaml.safe_load(run_config.read_text())
-    except yaml.YAMLError:
+        recorded = yaml.safe_load(run_config.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
         recorded = None  # load_config below names the problem
     recorded = recorded if isinstance(recorded, dict) else {}
     given = _overrides(args)

@@ -389,7 +389,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         if not path.is_file():
             raise UsageError(f"config file {path} does not exist; pass an existing YAML file to --config")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UsageError(f"config file {path} is not UTF-8 text (at byte offset {e.start}); fix or replace "
+                             "it") from None
         except yaml.YAMLError as e:
             raise UsageError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix its syntax") from None
         if not isinstance(loaded, dict):

@@ -35,8 +35,8 @@ def load_model_dir(model_dir: str):
             raise ValueError(f"{type(config).__name__} is neither a causal LM nor an image classifier")
         model = task.auto().from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False) if task.has_tokenizer else None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{model_dir} is not a usable model dir ({str(e).strip().splitlines()[0]}); "
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights that do not fit the config
+        raise UsageError(f"{model_dir} is not a usable model dir ({str(e).strip().splitlines()[0][:200]}); "
                          "pass the output of `finetune export` or a run's final/") from None
     return task, model, tokenizer
 

@@ -120,9 +120,10 @@ def read_launch_config(path: str | None) -> LaunchConfig:
     if not path:
         return LaunchConfig()
     try:
-        launch = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"cannot read --accelerate_config {path} ({e}); pass a YAML file") from None
+        launch = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UsageError(f"cannot read --accelerate_config {path} ({reason}); pass a YAML file") from None
     if not isinstance(launch, dict):
         raise UsageError(f"--accelerate_config {path} holds a {type(launch).__name__}, not the mapping of settings an "
                          "accelerate config is; pass one of `finetune configs`, or one `accelerate config` wrote")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from datasets import Dataset, DatasetDict, load_dataset
+from datasets.utils import logging as datasets_logging
 
 from finetune.errors import UsageError
 
@@ -71,6 +72,9 @@ def _load_local(path: Path, file_builders: dict[str, str], accepted: str, builde
     if builder in ("json", "text", "csv"):
         for file in files:
             check_utf8(file, "--dataset")
+    # The reader logs its own error line before ours: its reason goes into ours instead.
+    verbosity = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
     try:
         # A dir keeps the splits its file names give (train*, validation*, test*: datasets' own rules).
         options = builder_options.get(builder, {})
@@ -78,8 +82,17 @@ def _load_local(path: Path, file_builders: dict[str, str], accepted: str, builde
             return load_dataset(builder, data_dir=str(path), **options)
         return load_dataset(builder, data_files=[str(path)], **options)
     except Exception as e:  # datasets raises many types for unreadable files
-        raise UsageError(f"could not read --dataset {path} as {builder} ({type(e).__name__}); "
+        raise UsageError(f"could not read --dataset {path} as {builder} ({root_cause(e)}); "
                          "check the file format") from None
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+
+
+def root_cause(error: BaseException) -> str:
+    """The innermost cause's first line (datasets wraps the reader's own reason)."""
+    while (inner := error.__cause__ or error.__context__) is not None and inner is not error:
+        error = inner
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def check_utf8(path: Path, option: str) -> None:

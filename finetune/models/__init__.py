@@ -148,6 +148,6 @@ def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, tru
     try:
         return auto_class.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
                                           dtype=dtype)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights that do not fit the config
         raise UsageError(f"could not load --model {name_or_path} ({_first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({presets})") from None
