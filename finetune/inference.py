@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Auto classes)
 from finetune.config import DATA_OPTIONS, TrainConfig
-from finetune.data.chat import check_chat_template
+from finetune.data.templates import check_chat_template
 from finetune.errors import UsageError
 from finetune.model_dir import read_run_data
 from finetune.models import check_model_files

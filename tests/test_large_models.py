@@ -47,11 +47,10 @@ def save_model(config, path):
 
 @pytest.fixture(scope="module")
 def medium_dir(tmp_path_factory):
-    """GPT-2 medium's width and vocabulary at half its depth: 204 M parameters,
-    0.82 GB in fp32, large against a process's 0.5 GB after imports (removed after the module: GBs of disk)."""
+    """355 M parameters, 1.42 GB in fp32: the shape of GPT-2 medium (removed after the module: GBs of disk)."""
     from transformers import GPT2Config
 
-    path = save_model(GPT2Config(vocab_size=50257, n_embd=1024, n_layer=12, n_head=16, n_positions=1024),
+    path = save_model(GPT2Config(vocab_size=50257, n_embd=1024, n_layer=24, n_head=16, n_positions=1024),
                       tmp_path_factory.mktemp("medium") / "base")
     yield path
     shutil.rmtree(path)
@@ -60,18 +59,18 @@ def medium_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def medium_runs(tmp_path_factory, env, small_corpus, medium_dir):
     """One optimizer step of the medium model on 2 and on 3 processes, at a
-    learning rate too small to move any weight, with 150 MB output files."""
+    learning rate too small to move any weight, with 300 MB output files."""
     runs = {}
     for nproc in (2, 3):
         run_dir = tmp_path_factory.mktemp(f"medium{nproc}") / "run"
         proc = run_cli(["train", "--model", str(medium_dir), "--dataset", str(small_corpus), *QUIET,
                         "--per_device_batch_size", "1", "--max_steps", "1", "--learning_rate", "1e-30",
-                        "--max_shard_size", "150MB", "--output_dir", str(run_dir)], env, nproc=nproc,
+                        "--max_shard_size", "300MB", "--output_dir", str(run_dir)], env, nproc=nproc,
                        mixed_precision="no", timeout=600)
         check_ok(proc)
         assert "each rank read only its shard of the weights" in proc.stdout
         runs[nproc] = run_dir
-        if nproc == 3:  # only the 2-process run's checkpoint is exported (2.5 GB each with AdamW state)
+        if nproc == 3:  # only the 2-process run's checkpoint is exported (4.3 GB each with AdamW state)
             shutil.rmtree(run_dir / "checkpoints")
     yield runs
     for run_dir in runs.values():
@@ -83,7 +82,7 @@ def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs,
     summary = json.loads((medium_runs[nproc] / "summary.json").read_text())
     base_tensors = model_tensors(medium_dir)
     model_bytes = sum(t.numel() * t.element_size() for t in base_tensors.values())
-    assert model_bytes > 0.8e9
+    assert model_bytes > 1.4e9
     for rank, (start, load) in enumerate(zip(summary["rss_after_imports_bytes_per_rank"],
                                              summary["load_peak_rss_bytes_per_rank"])):
         # Every rank reads: each must stay within the bound the issue sets for the ranks that do not.
@@ -98,7 +97,7 @@ def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs,
     from finetune.memory import host_ram, model_shape
 
     predicted = host_ram(model_shape(str(medium_dir)), nproc, sharded=True, ram_efficient_loading=True,
-                         max_shard_size=150 * 10**6)
+                         max_shard_size=300 * 10**6)
     assert predicted.load_main == predicted.load_other
     for rank, (start, load, rise) in enumerate(zip(summary["rss_after_imports_bytes_per_rank"],
                                                    summary["load_peak_rss_bytes_per_rank"],
@@ -121,7 +120,7 @@ def test_export_streams_from_the_shards(medium_runs, tmp_path):
     run_dir = medium_runs[2]
     checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
     largest_tensor = max(t.numel() * 4 for t in model_tensors(run_dir / "final").values())
-    max_shard_size = 150 * 10**6
+    max_shard_size = 300 * 10**6
     host = HostMemory()
     start = host.restart()
     export_checkpoint(run_dir, tmp_path / "export", max_shard_size=max_shard_size)

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.templates import check_chat_template
 from finetune.errors import UsageError
 
 IGNORE = -100
@@ -215,25 +216,6 @@ def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, d
     elif data_format in ("chat", "instruction") and not tokenizer.chat_template:
         raise UsageError(f"--data_format {data_format} is rendered with a chat template, and the tokenizer of "
                          f"--model {model} has none; pass --chat_template FILE")
-
-
-PROBE = [{"role": "user", "content": "probe question 7"}, {"role": "assistant", "content": "probe answer 7"}]
-
-
-def check_chat_template(tokenizer: PreTrainedTokenizerBase, what: str) -> None:
-    """A template renders a plain exchange, with its content, before any
-    example is blamed for it. Template code can raise anything (a syntax error,
-    `{{ 1/0 }}`, str + int): every failure is this file's, said in one line."""
-    try:
-        rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
-    except TemplateSyntaxError as e:
-        raise UsageError(f"{what}: line {e.lineno}: {e.message}; fix the template's Jinja syntax") from None
-    except Exception as e:  # noqa: BLE001  (user code: any exception is the template's)
-        raise UsageError(f"{what} fails to render a conversation ({type(e).__name__}: {str(e)[:120]}); fix the "
-                         "template") from None
-    if not isinstance(rendered, str) or PROBE[1]["content"] not in rendered.lower():  # some templates change case
-        raise UsageError(f"{what} does not write the messages' content (it rendered {str(rendered)[:60]!r}); pass "
-                         "a Jinja chat template that renders each message's content")
 
 
 # --- examples -> training rows --------------------------------------------------------------------
