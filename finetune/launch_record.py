@@ -94,8 +94,9 @@ RECORD_KEYS = {"distributed_type", "num_processes", "num_machines", "launcher_op
 
 def _refuse(run_dir: Path, what: str) -> UsageError:
     return UsageError(f"{run_dir}/run_config.yaml: its launch record {what}; finetune resume replays only "
-                      "accelerate launch's own settings. Launch the run yourself: accelerate launch --config_file "
-                      f"YOUR_CONFIG -m finetune resume {run_dir}")
+                      "accelerate launch's own settings. Launch the run yourself under the config it was trained "
+                      f"with, e.g. accelerate launch --config_file $(finetune configs --path fsdp) -m finetune resume "
+                      f"{run_dir}")
 
 
 def checked_launcher_options(options: Any, run_dir: Path) -> list[str]:

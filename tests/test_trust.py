@@ -370,7 +370,7 @@ def test_resume_replays_only_accelerates_own_settings(case, checkpointed_run, tm
     proc = run_in_process("resume", run_dir)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = one_error_line(proc.stderr)
-    assert "launch record" in line and "accelerate launch --config_file YOUR_CONFIG -m finetune resume" in line
+    assert "launch record" in line and f"accelerate launch --config_file $(finetune configs --path fsdp) -m finetune resume {run_dir}" in line
     assert "relaunching" not in proc.stdout and not marker.exists() and not Path(str(marker) + ".py").exists()
     assert snapshot(run_dir) == before
 

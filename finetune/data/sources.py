@@ -107,7 +107,9 @@ def check_utf8(path: Path, option: str) -> None:
             except UnicodeDecodeError as e:
                 raise UsageError(f"{option} {path} is not UTF-8 text (at byte offset {offset + e.start}: "
                                  f"{e.object[e.start]:#04x}); "
-                                 "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                                 f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > "
+                                 f"{path.with_name(path.stem + '.utf8' + path.suffix)} "
+                                 "if it is Latin-1") from None
             offset += len(chunk)
     try:
         decoder.decode(b"", final=True)
