@@ -38,7 +38,7 @@ from finetune.backends import for_checkpoint
 from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
-from finetune.data.fingerprint import check_same_inputs
+from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
 from finetune.errors import UsageError
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
@@ -230,7 +230,7 @@ def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
         progress = verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
         saved = saved_config(checkpoint)
         resume_changes(saved, cfg)
-        check_same_inputs(saved.get("inputs"), cfg, checkpoint)
+        check_same_inputs(saved.get("inputs"), input_fingerprints(cfg), cfg, checkpoint)
         dataset = Path(cfg.dataset)
         if cfg.dataset and not dataset.exists() and (dataset.suffix or cfg.dataset.startswith((".", "/"))):
             raise UsageError(f"--dataset {cfg.dataset} does not exist from {Path.cwd()}; {checkpoint} was trained on "

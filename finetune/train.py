@@ -36,7 +36,7 @@ from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
-from finetune.collectives import WriteFailed, on_every_rank
+from finetune.collectives import WriteFailed, broadcast_from_main, on_every_rank
 from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
 from finetune.errors import Stopped, UsageError
@@ -174,12 +174,15 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     resume_from = resolve_checkpoint(run_dir, cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
     new_length = False
     saved = saved_config(resume_from) if resume_from else {}  # the config the checkpoint was written with
+    # The files the options name, read through once (by the main process) for every rank.
+    inputs = input_fingerprints(cfg) if accelerator.is_main_process else None
+    inputs = broadcast_from_main(inputs) if accelerator.num_processes > 1 else inputs
     if resume_from:
         new_length = any(saved.get(name, getattr(cfg, name)) != getattr(cfg, name)
                          for name in ("max_steps", "num_epochs"))
         for change in resume_changes(saved, cfg):
             accelerator.print(f"resume changes {change}")
-        check_same_inputs(saved.get("inputs"), cfg, resume_from)
+        check_same_inputs(saved.get("inputs"), inputs, cfg, resume_from)
     set_seed(cfg.seed)  # model init and dropout; a resume then restores every rank's RNG from its checkpoint
 
     model, data = task.build(accelerator, backend, run_dir)
@@ -201,8 +204,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
         keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
-             # Only the main process writes the record: it alone reads the files through.
-             "inputs": input_fingerprints(cfg) if accelerator.is_main_process else {}},
+             "inputs": inputs},
             sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches,
         allow_unverified=cfg.allow_unverified_checkpoint)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,

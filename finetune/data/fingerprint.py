@@ -44,11 +44,11 @@ def input_fingerprints(cfg) -> dict[str, dict]:
     return {name: fingerprint(path) for name in INPUT_OPTIONS if (path := local_path(getattr(cfg, name)))}
 
 
-def check_same_inputs(recorded: Any, cfg, checkpoint_dir: Path) -> None:
-    """A resume reads what its checkpoint was trained on, or stops in one line."""
+def check_same_inputs(recorded: Any, now: dict[str, dict], cfg, checkpoint_dir: Path) -> None:
+    """A resume reads what its checkpoint was trained on (`now`: the inputs'
+    fingerprints today), or stops in one line."""
     if not isinstance(recorded, dict):
         return  # a checkpoint from before inputs were recorded
-    now = input_fingerprints(cfg)
     for name in INPUT_OPTIONS:
         before, after = recorded.get(name), now.get(name)
         if not isinstance(before, dict) or before.get("sha256") == (after or {}).get("sha256"):
