@@ -59,6 +59,11 @@ RESUME_MAY_CHANGE = {
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
 }
+# Permissions no file can grant: what each allows, and when to give it.
+COMMAND_LINE_ONLY = {
+    "trust_remote_code": ("lets the model's or data's own code run", " if you trust {model}"),
+    "allow_unverified_checkpoint": ("reads a checkpoint that cannot be checked", ""),
+}
 RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allow_unverified_checkpoint")
 
 # The options that shape a run's data: recorded with its model (model_dir.py)
@@ -409,15 +414,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
             if key == "lr_scheduler" and value == "cosine":
                 value = "cosine_with_min_lr"  # what "cosine" meant under the old name
             values[name] = value
-    if path and coerce("trust_remote_code", values.get("trust_remote_code", False)) \
-            and overrides.get("trust_remote_code") is not True:
-        # A file may come from someone else: what lets a model or data dir run code is the user's own word.
-        raise UsageError(f"{path} sets trust_remote_code, which lets the model's or data's own code run; it is taken "
-                         f"only from the command line: pass --trust_remote_code if you trust {values.get('model', 'them')}")
-    if path and coerce("allow_unverified_checkpoint", values.get("allow_unverified_checkpoint", False)) \
-            and overrides.get("allow_unverified_checkpoint") is not True:
-        raise UsageError(f"{path} sets allow_unverified_checkpoint, which reads a checkpoint that cannot be checked; "
-                         "it is taken only from the command line: pass --allow_unverified_checkpoint")
+    # A file may come from someone else: a permission is the user's own word, on the command line.
+    for name, (what, when) in COMMAND_LINE_ONLY.items():
+        if path and coerce(name, values.get(name, False)) and overrides.get(name) is not True:
+            raise UsageError(f"{path} sets {name}, which {what}; it is taken only from the command line: pass "
+                             f"--{name}{when.format(model=values.get('model', 'them'))}")
     values.update(overrides)
     # Asked for on the command line: a run config file records every option, LoRA's defaults included.
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):
