@@ -7,10 +7,15 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -59,20 +64,116 @@ def small_corpus(tmp_path_factory, env) -> Path:
     return path
 
 
+def launch_options(nproc: int, config: str, mixed_precision: str | None, extra_launch: Sequence[str]) -> list[str]:
+    options = ["--config_file", str(CONFIGS / config), "--num_processes", str(nproc),
+               "--main_process_port", str(free_port()), *extra_launch]
+    return options + ["--mixed_precision", mixed_precision] if mixed_precision else options
+
+
 def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fsdp.yaml",
-            mixed_precision: str | None = None, timeout: int = 300, extra_launch: list[str] = ()) -> subprocess.CompletedProcess:
+            mixed_precision: str | None = None, timeout: int = 300, extra_launch: Sequence[str] = (),
+            warm: bool = False) -> subprocess.CompletedProcess:
     """`accelerate launch ... -m finetune ARGS` with nproc processes, or plain
-    `python -m finetune ARGS` when nproc is None."""
+    `python -m finetune ARGS` when nproc is None. `warm`: on ranks launched the
+    same way that are already running (WarmRanks), for a test that needs a run,
+    not a launch."""
+    args = [str(a) for a in args]
+    if warm and nproc is not None:
+        return WarmRanks.run(args, env, launch_options(nproc, config, mixed_precision, extra_launch), nproc, timeout)
     if nproc is None:
         cmd = [sys.executable, "-m", "finetune", *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-               "--num_processes", str(nproc), "--main_process_port", str(free_port()), *extra_launch]
-        if mixed_precision:
-            cmd += ["--mixed_precision", mixed_precision]
-        cmd += ["-m", "finetune", *args]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    return proc
+        cmd = [sys.executable, "-m", "accelerate.commands.launch",
+               *launch_options(nproc, config, mixed_precision, extra_launch), "-m", "finetune", *args]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+class WarmRanks:
+    """Ranks of one real `accelerate launch` that run command after command
+    (tests/warm_ranks.py): a run on them is the run a launch with the same
+    options, environment and working dir would make, without its ~5 s of
+    interpreter start-up and imports. A command that fails on any rank ends the
+    launch, as the launcher ends the other ranks; the next command starts anew."""
+
+    KEPT = 3  # launches kept waiting; each holds its ranks' memory
+    running: dict[tuple, WarmRanks] = {}
+
+    def __init__(self, options: list[str], env: dict, nproc: int):
+        self.queue = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
+        self.nproc, self.n = nproc, 0
+        self.log = (self.queue / "launcher.log").open("w")
+        self.launcher = subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "tests.warm_ranks", str(self.queue)],
+            env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @classmethod
+    def run(cls, args: list[str], env: dict, options: list[str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
+        key = (tuple(without_port(options)), tuple(sorted(env.items())))
+        ranks = cls.running.pop(key, None)
+        if ranks is None or ranks.launcher.poll() is not None:
+            while len(cls.running) >= cls.KEPT:
+                cls.running.pop(next(iter(cls.running))).close()
+            ranks = WarmRanks(options, env, nproc)
+        proc = ranks.command(args, timeout)
+        if proc.returncode == 0:
+            cls.running[key] = ranks  # the most recently used last
+        else:
+            ranks.close(at_once=True)
+        return proc
+
+    def command(self, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+        n, self.n = self.n, self.n + 1
+        scratch = self.queue / f"cmd-{n}.json.tmp"
+        scratch.write_text(json.dumps({"argv": args}))
+        scratch.replace(self.queue / f"cmd-{n}.json")
+        done = [self.queue / f"done-{n}-{rank}" for rank in range(self.nproc)]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while not all(path.exists() for path in done):
+            codes = [int(path.read_text()) for path in done if path.exists()]
+            if any(codes) and failed_at is None:
+                failed_at = time.monotonic()  # the others get a moment to finish, then go with the launch
+            if self.launcher.poll() is not None or (failed_at and time.monotonic() - failed_at > 5):
+                break
+            if time.monotonic() > deadline:
+                self.close(at_once=True)
+                raise subprocess.TimeoutExpired(args, timeout)
+            time.sleep(0.02)
+        codes = [int(path.read_text()) if path.exists() else 1 for path in done]
+        read = lambda name: "".join((self.queue / f"{name}-{n}-{rank}").read_text()  # noqa: E731
+                                    for rank in range(self.nproc) if (self.queue / f"{name}-{n}-{rank}").exists())
+        stderr = read("err") + ("" if all(path.exists() for path in done) else self.launcher_log())
+        return subprocess.CompletedProcess(args, 1 if any(codes) else 0, read("out"), stderr)
+
+    def launcher_log(self) -> str:
+        self.log.flush()
+        return (self.queue / "launcher.log").read_text()
+
+    def close(self, at_once: bool = False) -> None:
+        if self.launcher.poll() is None:
+            (self.queue / f"cmd-{self.n}.json").write_text(json.dumps({"exit": True}))
+            try:
+                self.launcher.wait(0 if at_once else 10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.launcher.pid, signal.SIGKILL)
+                self.launcher.wait()
+        self.log.close()
+        shutil.rmtree(self.queue, ignore_errors=True)
+
+    @classmethod
+    def close_all(cls) -> None:
+        while cls.running:
+            cls.running.popitem()[1].close()
+
+
+def without_port(options: list[str]) -> list[str]:
+    i = options.index("--main_process_port")
+    return options[:i] + options[i + 2:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_warm_ranks():
+    yield
+    WarmRanks.close_all()
 
 
 def run_in_process(*args) -> subprocess.CompletedProcess:
@@ -132,7 +233,7 @@ def checkpointed_run(tmp_path_factory, env, small_corpus) -> Path:
     """fp32, 2-process FSDP, 12 steps, a checkpoint every 6."""
     run_dir = tmp_path_factory.mktemp("checkpointed") / "run"
     proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
-                    "--output_dir", str(run_dir)], env, mixed_precision="no")
+                    "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True)
     check_ok(proc)
     return run_dir
 

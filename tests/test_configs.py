@@ -31,10 +31,10 @@ def test_config_trains_checkpoints_resumes_and_exports(config, nproc, expected_t
     run_dir = tmp_path / "run"
     args = common_args(small_corpus)
     check_ok(run_cli(["train", *args, "--max_steps", "2", "--checkpoint_every", "2", "--output_dir", str(run_dir)],
-                     env, nproc=nproc, config=config, mixed_precision="no"))
+                     env, nproc=nproc, config=config, mixed_precision="no", warm=True))
     assert (run_dir / "checkpoints" / "step_000002").is_dir()
     check_ok(run_cli(["resume", str(run_dir), "--max_steps", "3"], env, nproc=nproc, config=config,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
 
     facts = summary(run_dir)
     assert facts["distributed_type"] == expected_type and facts["world_size"] == nproc
@@ -75,7 +75,7 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
     for config in ("fsdp.yaml", "fsdp_activation_checkpointing.yaml"):
         runs[config] = tmp_path / config
         check_ok(run_cli(["train", *args, "--output_dir", str(runs[config])], env, config=config,
-                         mixed_precision="no"))
+                         mixed_precision="no", warm=True))
     plain, checkpointed = (train_rows(runs[c]) for c in runs)
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
 
@@ -88,7 +88,7 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
 
     ac_run = runs["fsdp_activation_checkpointing.yaml"]
     check_ok(run_cli(["resume", str(ac_run), "--max_steps", "4"], env, config="fsdp_activation_checkpointing.yaml",
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     assert [r["step"] for r in train_rows(ac_run)] == [1, 2, 3, 4] and summary(ac_run)["distributed_type"] == "FSDP"
 
 

@@ -87,7 +87,7 @@ def test_fine_tuning_from_an_export_starts_at_its_loss(checkpointed_run, tmp_pat
     args = [a for a in common_args(small_corpus)]
     args[args.index("--model") + 1] = str(tmp_path / "model")
     check_ok(run_cli(["train", *args, "--max_steps", "2", "--output_dir", str(tmp_path / "second")], env,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     end_of_first = eval_rows(checkpointed_run)[-1]
     start_of_second = eval_rows(tmp_path / "second")[0]
     assert start_of_second["step"] == 0 and end_of_first["step"] == 12

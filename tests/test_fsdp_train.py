@@ -28,7 +28,7 @@ BF16_LOSS_TOLERANCE = 0.05
 def fsdp_run(tmp_path_factory, env) -> Path:
     """2-process FSDP (bf16, as fsdp.yaml says) on the built-in corpus for 20 steps."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    proc = run_cli([*BUILTIN_20_STEPS, "--output_dir", str(run_dir)], env)
+    proc = run_cli([*BUILTIN_20_STEPS, "--output_dir", str(run_dir)], env, warm=True)
     check_ok(proc)
     assert "final model:" in proc.stdout and "sample:" in proc.stdout
     return run_dir
@@ -37,7 +37,7 @@ def fsdp_run(tmp_path_factory, env) -> Path:
 def test_bf16_loss_curve_stays_close_to_fp32(fsdp_run, tmp_path, env):
     fp32_dir = tmp_path / "fp32"
     check_ok(run_cli([*BUILTIN_20_STEPS, "--sample_prompt", "", "--output_dir", str(fp32_dir)], env,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     bf16, fp32 = train_rows(fsdp_run), train_rows(fp32_dir)
     assert json.loads((fp32_dir / "summary.json").read_text())["mixed_precision"] == "no"
     differences = [abs(a["loss"] - b["loss"]) for a, b in zip(bf16, fp32)]
@@ -128,7 +128,7 @@ def test_two_rank_fsdp_matches_one_process(tmp_path, env, small_corpus):
     common = ["train", "--model", "tiny-gpt2", "--dataset", str(small_corpus), "--max_steps", "5",
               "--block_size", "64", "--sample_prompt", "", "--max_eval_batches", "1"]
     two = run_cli(common + ["--per_device_batch_size", "4", "--output_dir", str(tmp_path / "two")], env,
-                  mixed_precision="no")
+                  mixed_precision="no", warm=True)
     check_ok(two)
     one = run_in_process(*common, "--per_device_batch_size", "8", "--output_dir", tmp_path / "one")  # unlaunched
     check_ok(one)
@@ -184,7 +184,7 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tmp_path, env, small_cor
 
     proc = run_cli(["train", "--model", str(model_dir), "--dataset", str(data), "--block_size", str(block),
                     "--per_device_batch_size", "4", "--max_steps", "2", "--sample_prompt", "",
-                    "--output_dir", str(tmp_path / "run")], env, mixed_precision="no")
+                    "--output_dir", str(tmp_path / "run")], env, mixed_precision="no", warm=True)
     check_ok(proc)
     first = train_rows(tmp_path / "run")[0]
     assert first["loss"] == pytest.approx(expected, abs=1e-5)

@@ -170,12 +170,12 @@ def test_each_family_trains_resumes_and_exports_on_the_sharded_path(family, tmp_
     run_dir = tmp_path / "run"
     proc = run_cli(["train", "--model", str(base), "--dataset", str(small_corpus), *QUIET,
                     "--per_device_batch_size", "2", "--learning_rate", "3e-3", "--max_steps", "2",
-                    "--checkpoint_every", "1", "--output_dir", str(run_dir)], env, mixed_precision="no")
+                    "--checkpoint_every", "1", "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True)
     check_ok(proc)
     assert "each rank read only its shard of the weights" in proc.stdout
     shutil.copytree(run_dir / "final", tmp_path / "straight")
     check_ok(run_cli(["resume", str(run_dir), "--resume_from_checkpoint",
-                      str(run_dir / "checkpoints" / "step_000001")], env, mixed_precision="no"))
+                      str(run_dir / "checkpoints" / "step_000001")], env, mixed_precision="no", warm=True))
     straight, resumed = model_tensors(tmp_path / "straight"), model_tensors(run_dir / "final")
     assert straight.keys() == resumed.keys()
     for name, tensor in straight.items():
@@ -210,7 +210,7 @@ def test_first_loss_is_the_saved_models_loss_on_the_first_batch(tmp_path, env):
     run_dir = tmp_path / "run"
     proc = run_cli(["train", "--model", str(base), "--dataset", str(data), "--block_size", str(block_size),
                     "--per_device_batch_size", "2", "--max_steps", "1", "--max_eval_batches", "1",
-                    "--sample_prompt", "", "--output_dir", str(run_dir)], env, mixed_precision="no")
+                    "--sample_prompt", "", "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True)
     check_ok(proc)
     assert "each rank read only its shard of the weights" in proc.stdout
     logged = next(row["loss"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())

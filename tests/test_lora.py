@@ -46,7 +46,7 @@ def lora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "lora",
                       "--lora_r", "8", "--learning_rate", "3e-3", "--max_steps", "6", "--checkpoint_every", "3",
-                      "--output_dir", str(run_dir)], env, mixed_precision="no"))
+                      "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True))
     return run_dir
 
 
@@ -109,7 +109,7 @@ def test_a_checkpoint_holds_the_adapters_and_is_small(lora_run, tmp_path, env, s
 
     full_run = tmp_path / "full"
     check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--max_steps", "1",
-                      "--max_eval_batches", "1", "--output_dir", str(full_run)], env, mixed_precision="no"))
+                      "--max_eval_batches", "1", "--output_dir", str(full_run)], env, mixed_precision="no", warm=True))
 
     def size(path):
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -130,7 +130,7 @@ def test_resume_is_exact(lora_run, tmp_path, env):
     resumed = tmp_path / "resumed"
     check_ok(run_cli(["train", "--config", str(lora_run / "run_config.yaml"), "--resume_from_checkpoint",
                       str(lora_run / "checkpoints" / "step_000003"), "--output_dir", str(resumed)], env,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     full = {r["step"]: r for r in train_rows(lora_run)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]
@@ -145,7 +145,7 @@ def test_resume_on_another_world_size_keeps_adapters_and_optimizer(lora_run, tmp
     run_dir = tmp_path / f"on{world_size}"
     check_ok(run_cli(["train", "--config", str(lora_run / "run_config.yaml"), "--max_steps", "3",
                       "--resume_from_checkpoint", str(saved), "--output_dir", str(run_dir)], env, nproc=world_size,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     resaved = run_dir / "checkpoints" / "step_000003"
     assert len(list((resaved / "pytorch_model_fsdp_0").glob("*.distcp"))) == world_size
     for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
@@ -208,7 +208,7 @@ def test_lora_on_a_bfloat16_base_learns_on_chat_data_with_named_targets(tmp_path
                       "--model_dtype", "bfloat16", "--lora_target_modules", "q_proj,v_proj,down_proj", "--lora_r", "4",
                       "--learning_rate", "3e-2", "--block_size", "128", "--per_device_batch_size", "4",
                       "--max_steps", "10", "--sample_prompt", "", "--output_dir", str(run_dir)], env,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     evals = eval_rows(run_dir)
     assert evals[-1]["eval_loss"] < 0.99 * evals[0]["eval_loss"]  # a random base: the adapters alone move it
     config = json.loads((run_dir / "checkpoints" / "step_000010" / "model_config" / "adapter_config.json").read_text())
@@ -264,7 +264,7 @@ def qlora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
     run_dir = tmp_path_factory.mktemp("qlora") / "run"
     check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
                       "--lora_r", "8", "--learning_rate", "3e-3", "--max_steps", "6", "--checkpoint_every", "3",
-                      "--output_dir", str(run_dir)], {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no"))
+                      "--output_dir", str(run_dir)], {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no", warm=True))
     return run_dir
 
 
@@ -320,7 +320,7 @@ def test_qlora_resume_is_exact(qlora_run, tmp_path, env):
     resumed = tmp_path / "resumed"
     check_ok(run_cli(["train", "--config", str(qlora_run / "run_config.yaml"), "--resume_from_checkpoint",
                       str(qlora_run / "checkpoints" / "step_000003"), "--output_dir", str(resumed)],
-                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no"))
+                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no", warm=True))
     full = {r["step"]: r for r in train_rows(qlora_run)}
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]
@@ -337,7 +337,7 @@ def test_qlora_under_bf16_mixed_precision_has_finite_losses(tmp_path, env, small
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
                       "--max_steps", "6", "--max_eval_batches", "1", "--output_dir", str(run_dir)],
-                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="bf16"))
+                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="bf16", warm=True))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mixed_precision"] == "bf16" and summary["peft"] == "qlora"
     rows = train_rows(run_dir)

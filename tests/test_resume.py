@@ -96,7 +96,7 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     # 1 rank x 8 keeps the global batch of 2 x 4, so the losses can be compared too.
     batch = ["--per_device_batch_size", "8"] if world_size == 1 else []
     proc = run_cli(["train", *common_args(small_corpus), *batch, "--max_steps", "6", "--resume_from_checkpoint",
-                    str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no")
+                    str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no", warm=True)
     check_ok(proc)
     assert f"checkpoint written by 2 rank(s), resuming on {world_size}" in proc.stdout
     # Not the launcher's one thread per worker: the cores shared by the processes on this machine.
@@ -118,7 +118,7 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     assert any("exp_avg_sq" in k for k in before)
 
     # ... and training goes on from step 7 with the checkpointed_run run's LR.
-    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no"))
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no", warm=True))
     full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
@@ -197,7 +197,7 @@ def _crash_then_resume(run_dir: Path, env: dict, corpus: Path, kill_when, what: 
     complete = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     newest = int(complete[-1].split("_")[1])
     resumed = run_cli(["train", *common_args(corpus), "--max_steps", str(newest + 2), "--checkpoint_every", "4",
-                       "--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"], env, mixed_precision="no")
+                       "--output_dir", str(run_dir), "--resume_from_checkpoint", "latest"], env, mixed_precision="no", warm=True)
     check_ok(resumed)
     assert f"resumed from {run_dir / 'checkpoints' / complete[-1]} at step {newest}" in resumed.stdout
     assert [r["step"] for r in train_rows(run_dir)] == list(range(1, newest + 3)), "each step logged once"
@@ -230,11 +230,11 @@ def test_resume_auto_starts_fresh_then_resumes_exactly(tmp_path, env, small_corp
                 "--resume_from_checkpoint", "auto", "--output_dir", str(run_dir)]
 
     first = tmp_path / "first"
-    check_ok(run_cli(command(first), env, mixed_precision="no"))  # nothing to resume: starts fresh
+    check_ok(run_cli(command(first), env, mixed_precision="no", warm=True))  # nothing to resume: starts fresh
     losses = [r["loss"] for r in train_rows(first)]
     assert len(losses) == 4
     requeued = interrupted_copy(first, 2, tmp_path / "requeued")
-    proc = run_cli(command(requeued), env, mixed_precision="no")
+    proc = run_cli(command(requeued), env, mixed_precision="no", warm=True)
     check_ok(proc)
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
     assert [r["step"] for r in train_rows(requeued)] == [3, 4]

@@ -253,7 +253,7 @@ def test_loss_is_normalised_over_the_global_batch(tmp_path, env, chat_model, rag
     for name, (nproc, batch) in runs.items():
         run_dir = tmp_path / name
         check_ok(run_cli(["train", *sft_args(chat_model, ragged_chat, "--no_packing", "--max_steps", "3", *batch,
-                                             "--output_dir", str(run_dir))], env, nproc=nproc, mixed_precision="no"))
+                                             "--output_dir", str(run_dir))], env, nproc=nproc, mixed_precision="no", warm=True))
         losses[name] = [r["loss"] for r in train_rows(run_dir)]
         weights[name] = load_file(run_dir / "final" / "model.safetensors")
     for name in ("4x1", "fsdp-2x2"):
@@ -270,7 +270,7 @@ def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, e
     model = save_chat_model(tmp_path / "qwen2-chat", "qwen2")
     run_dir = tmp_path / "run"
     args = sft_args(model, ragged_chat, "--per_device_batch_size", "2", "--max_steps", "6", "--checkpoint_every", "3")
-    check_ok(run_cli(["train", *args, "--output_dir", str(run_dir)], env, mixed_precision="no"))
+    check_ok(run_cli(["train", *args, "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["data_format"] == "chat"
     local = summary["local_params_per_rank"]
@@ -285,7 +285,7 @@ def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, e
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copy(run_dir / "run_config.yaml", resumed)
     shutil.copytree(run_dir / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
-    check_ok(run_cli(["resume", str(resumed)], env, mixed_precision="no"))
+    check_ok(run_cli(["resume", str(resumed)], env, mixed_precision="no", warm=True))
     after = train_rows(resumed)
     assert [r["step"] for r in after] == [4, 5, 6]
     assert [r["loss"] for r in after] == pytest.approx([r["loss"] for r in rows[3:]], rel=1e-6, abs=1e-6)
@@ -310,7 +310,7 @@ def test_a_preset_learns_chat_data_with_a_template_file(tmp_path, env, ragged_ch
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", "--model", "tiny-gpt2", "--dataset", str(ragged_chat), "--chat_template", str(template),
                       "--max_steps", "2", "--block_size", "128", "--sample_prompt", "", "--output_dir", str(run_dir)],
-                     env, nproc=None))
+                     env, nproc=None, warm=True))
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert tokenizer.chat_template == template.read_text()
     assert tokenizer.tokenize("assistant") == ["assistant"]  # learnt from the roles and turns, not from a text column

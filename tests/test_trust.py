@@ -81,7 +81,7 @@ def test_a_rewound_resume_sets_the_abandoned_timeline_aside(checkpointed_run, tm
     run_dir = copy_run(checkpointed_run, tmp_path)
     old_twelve = (run_dir / "checkpoints" / "step_000012" / "manifest.json").read_text()
     proc = run_cli(["resume", str(run_dir), "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step_000006"),
-                    "--checkpoint_every", "3", "--max_steps", "9"], env, mixed_precision="no")
+                    "--checkpoint_every", "3", "--max_steps", "9"], env, mixed_precision="no", warm=True)
     check_ok(proc)
     aside = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("abandoned-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_000012"]
@@ -156,7 +156,7 @@ def test_chaos_sigkill_anywhere_then_resume_latest(tmp_path, env, small_corpus):
         assert checkpoint_step(latest) > newest, f"round {round_index} ({victim}) saved no new checkpoint"
         newest = checkpoint_step(latest)
         assert verify_checkpoint(latest).step == newest
-    check_ok(run_cli(["resume", str(run_dir), "--max_steps", str(newest + 2)], env, mixed_precision="no"))
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", str(newest + 2)], env, mixed_precision="no", warm=True))
     assert [r["step"] for r in train_rows(run_dir)] == list(range(1, newest + 3)), "each step logged once"
 
 

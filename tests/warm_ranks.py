@@ -1,0 +1,106 @@
+"""The rank side of the tests' warm ranks (conftest.WarmRanks): started once by a
+real `accelerate launch` (so with the environment, the process group and the
+parent command line that launch gives a rank), then runs `finetune ARGS`
+commands one after another, each as `main` would run in a fresh rank, with no
+interpreter start-up or imports in between (about 5 s a launch on 2 cores).
+
+The test process writes `cmd-N.json` into the queue dir; every rank runs it
+with its stdout and stderr in `out-N-RANK` / `err-N-RANK` and answers with
+`done-N-RANK` holding the exit code. What a run leaves behind in the process
+is set back before the next: accelerate's singletons, the environment and the
+signal handlers. The process group stays: `destroy_process_group` of the
+default group is a no-op here, as under a fork launch.
+
+    accelerate launch ... -m tests.warm_ranks QUEUE_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text(text)
+    scratch.replace(path)
+
+
+def keep_the_process_group() -> None:
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_the_default(group=None):
+        if group is not None:
+            destroy(group)
+    dist.destroy_process_group = destroy_all_but_the_default
+
+
+def forget_the_last_run(environment: dict[str, str], handlers: dict) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(environment)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def run_one(argv: list[str], out: Path, err: Path) -> int:
+    from finetune.cli import main
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with out.open("w") as out_file, err.open("w") as err_file:
+        os.dup2(out_file.fileno(), 1)
+        os.dup2(err_file.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    return code
+
+
+def serve(queue: Path) -> None:
+    rank = os.environ["RANK"]
+    environment = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    keep_the_process_group()
+    n = 0
+    while True:
+        command = queue / f"cmd-{n}.json"
+        while not command.exists():
+            if os.getppid() == 1:  # the launcher is gone
+                return
+            time.sleep(0.02)
+        request = json.loads(command.read_text())
+        if request.get("exit"):
+            return
+        code = run_one(request["argv"], queue / f"out-{n}-{rank}", queue / f"err-{n}-{rank}")
+        forget_the_last_run(environment, handlers)
+        write_atomically(queue / f"done-{n}-{rank}", str(code))
+        n += 1
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(0)
