@@ -95,7 +95,7 @@ class WarmRanks:
     interpreter start-up and imports. A command that fails on any rank ends the
     launch, as the launcher ends the other ranks; the next command starts anew."""
 
-    KEPT = 3  # launches kept waiting; each holds its ranks' memory
+    KEPT = 4  # launches kept waiting; each holds its ranks' memory
     running: dict[tuple, WarmRanks] = {}
 
     def __init__(self, options: list[str], env: dict, nproc: int):
@@ -162,7 +162,7 @@ class WarmRanks:
     @classmethod
     def close_all(cls) -> None:
         while cls.running:
-            cls.running.popitem()[1].close()
+            cls.running.popitem()[1].close(at_once=True)
 
 
 def without_port(options: list[str]) -> list[str]:

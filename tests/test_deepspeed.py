@@ -39,7 +39,7 @@ def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
     for stage in (1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"zero{stage}") / "run"
         proc = run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)], env,
-                       config=f"zero{stage}.yaml")
+                       config=f"zero{stage}.yaml", warm=True)
         check_ok(proc)
         (run_dir.parent / "stdout.txt").write_text(proc.stdout)
         runs[stage] = run_dir
@@ -85,7 +85,7 @@ def test_each_stage_partitions_what_it_promises(zero_runs, stage):
 def test_losses_equal_fsdp_and_one_process(zero_runs, tmp_path, env, small_corpus):
     fsdp_dir, single_dir = tmp_path / "fsdp", tmp_path / "single"
     check_ok(run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(fsdp_dir)], env,
-                     mixed_precision="no"))
+                     mixed_precision="no", warm=True))
     check_ok(run_cli(["train", *common_args(small_corpus), *ONE_PROCESS, "--output_dir", str(single_dir)], env,
                      nproc=None))
     assert summary(fsdp_dir)["distributed_type"] == "FSDP"
@@ -107,7 +107,7 @@ def tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_resume_continues_exactly(zero_runs, tmp_path, env, stage):
     original = zero_runs[stage]
     resumed = interrupted_copy(original, CHECKPOINT_AT, tmp_path / "resumed", metrics=True)
-    proc = run_cli(["resume", str(resumed)], env, config=f"zero{stage}.yaml")
+    proc = run_cli(["resume", str(resumed)], env, config=f"zero{stage}.yaml", warm=True)
     check_ok(proc)
     assert f"resumed from {resumed / 'checkpoints' / f'step_{CHECKPOINT_AT:06d}'}" in proc.stdout
     after = {r["step"]: r["loss"] for r in train_rows(resumed)}
@@ -193,9 +193,9 @@ def test_lora_under_zero_2_and_3_trains_resumes_and_exports_as_under_fsdp(tmp_pa
     merged final model of the FSDP run, an exact resume, and the export."""
     args = ["train", *common_args(small_corpus), *TWO_RANKS, "--peft", "lora", "--lora_dropout", "0"]
     runs = {name: tmp_path / name for name in ("fsdp", "zero2", "zero3")}
-    check_ok(run_cli([*args, "--output_dir", str(runs["fsdp"])], env, mixed_precision="no"))
+    check_ok(run_cli([*args, "--output_dir", str(runs["fsdp"])], env, mixed_precision="no", warm=True))
     for stage in (2, 3):
-        check_ok(run_cli([*args, "--output_dir", str(runs[f"zero{stage}"])], env, config=f"zero{stage}.yaml"))
+        check_ok(run_cli([*args, "--output_dir", str(runs[f"zero{stage}"])], env, config=f"zero{stage}.yaml", warm=True))
         assert summary(runs[f"zero{stage}"])["distributed_type"] == "DEEPSPEED"
     reference = [r["loss"] for r in train_rows(runs["fsdp"])]
     assert len(reference) == STEPS
@@ -208,7 +208,7 @@ def test_lora_under_zero_2_and_3_trains_resumes_and_exports_as_under_fsdp(tmp_pa
         assert max((final[n] - merged[n]).abs().max().item() for n in final) < 1e-5, stage
 
     resumed = interrupted_copy(runs["zero3"], CHECKPOINT_AT, tmp_path / "resumed", metrics=True)
-    check_ok(run_cli(["resume", str(resumed)], env, config="zero3.yaml"))
+    check_ok(run_cli(["resume", str(resumed)], env, config="zero3.yaml", warm=True))
     after = {r["step"]: r["loss"] for r in train_rows(resumed)}
     assert [after[s] for s in range(1, STEPS + 1)] == pytest.approx(reference, abs=1e-5)
     resumed_final = tensors(resumed / "final")
