@@ -93,7 +93,9 @@ class WarmRanks:
     (tests/warm_ranks.py): a run on them is the run a launch with the same
     options, environment and working dir would make, without its ~5 s of
     interpreter start-up and imports. A command that fails on any rank ends the
-    launch, as the launcher ends the other ranks; the next command starts anew."""
+    launch, as the launcher ends the other ranks; the next command starts anew.
+    A warm rank's resident-set peak holds its earlier runs': a test that holds a
+    run's peak RSS against a bound launches it afresh."""
 
     KEPT = 4  # launches kept waiting; each holds its ranks' memory
     running: dict[tuple, WarmRanks] = {}
@@ -230,10 +232,11 @@ def common_args(corpus: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def checkpointed_run(tmp_path_factory, env, small_corpus) -> Path:
-    """fp32, 2-process FSDP, 12 steps, a checkpoint every 6."""
+    """fp32, 2-process FSDP, 12 steps, a checkpoint every 6. A launch of its own:
+    test_memory_planner holds its peak resident set against the planner's."""
     run_dir = tmp_path_factory.mktemp("checkpointed") / "run"
     proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
-                    "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True)
+                    "--output_dir", str(run_dir)], env, mixed_precision="no")
     check_ok(proc)
     return run_dir
 

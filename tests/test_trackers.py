@@ -46,8 +46,8 @@ def test_wandb_and_mlflow_hold_one_run_each_with_the_jsonl_values(tmp_path, env,
            "MLFLOW_ALLOW_FILE_STORE": "true"}
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", *common_args(small_corpus), "--max_steps", "4", "--checkpoint_every", "2",
-                      "--report_to", "jsonl,wandb,mlflow", "--output_dir", str(run_dir)], env, mixed_precision="no"))
-    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "6"], env, mixed_precision="no"))
+                      "--report_to", "jsonl,wandb,mlflow", "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True))
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "6"], env, mixed_precision="no", warm=True))
     losses = {r["step"]: r["loss"] for r in train_rows(run_dir)}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
 
