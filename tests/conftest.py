@@ -78,8 +78,9 @@ def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fs
     same way that are already running (WarmRanks), for a test that needs a run,
     not a launch."""
     args = [str(a) for a in args]
-    if warm and nproc is not None:
-        return WarmRanks.run(args, env, launch_options(nproc, config, mixed_precision, extra_launch), nproc, timeout)
+    if warm:
+        options = None if nproc is None else launch_options(nproc, config, mixed_precision, extra_launch)
+        return WarmRanks.run(args, env, options, timeout)
     if nproc is None:
         cmd = [sys.executable, "-m", "finetune", *args]
     else:
@@ -97,25 +98,28 @@ class WarmRanks:
     A warm rank's resident-set peak holds its earlier runs': a test that holds a
     run's peak RSS against a bound launches it afresh."""
 
-    KEPT = 4  # launches kept waiting; each holds its ranks' memory
+    KEPT = 6  # launches kept waiting; each holds its ranks' memory
     running: dict[tuple, WarmRanks] = {}
 
-    def __init__(self, options: list[str], env: dict, nproc: int):
+    def __init__(self, options: list[str] | None, env: dict):
+        """`options`: accelerate launch's; None: one plain process, as `python -m finetune`."""
         self.queue = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
-        self.nproc, self.n = nproc, 0
+        self.nproc = 1 if options is None else int(options[options.index("--num_processes") + 1])
+        self.n = 0
+        launcher = [] if options is None else ["-m", "accelerate.commands.launch", *options]
         self.log = (self.queue / "launcher.log").open("w")
-        self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "tests.warm_ranks", str(self.queue)],
-            env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launcher = subprocess.Popen([sys.executable, *launcher, "-m", "tests.warm_ranks", str(self.queue)],
+                                         env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
 
     @classmethod
-    def run(cls, args: list[str], env: dict, options: list[str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
-        key = (tuple(without_port(options)), tuple(sorted(env.items())))
+    def run(cls, args: list[str], env: dict, options: list[str] | None, timeout: float) -> subprocess.CompletedProcess:
+        key = (options and tuple(without_port(options)), tuple(sorted(env.items())))
         ranks = cls.running.pop(key, None)
         if ranks is None or ranks.launcher.poll() is not None:
             while len(cls.running) >= cls.KEPT:
                 cls.running.pop(next(iter(cls.running))).close()
-            ranks = WarmRanks(options, env, nproc)
+            ranks = WarmRanks(options, env)
         proc = ranks.command(args, timeout)
         if proc.returncode == 0:
             cls.running[key] = ranks  # the most recently used last

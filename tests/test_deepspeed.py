@@ -87,7 +87,7 @@ def test_losses_equal_fsdp_and_one_process(zero_runs, tmp_path, env, small_corpu
     check_ok(run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(fsdp_dir)], env,
                      mixed_precision="no", warm=True))
     check_ok(run_cli(["train", *common_args(small_corpus), *ONE_PROCESS, "--output_dir", str(single_dir)], env,
-                     nproc=None))
+                     nproc=None, warm=True))
     assert summary(fsdp_dir)["distributed_type"] == "FSDP"
     references = {"FSDP": [r["loss"] for r in train_rows(fsdp_dir)],
                   "1 process": [r["loss"] for r in train_rows(single_dir)]}

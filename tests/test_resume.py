@@ -96,7 +96,7 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     # 1 rank x 8 keeps the global batch of 2 x 4, so the losses can be compared too.
     batch = ["--per_device_batch_size", "8"] if world_size == 1 else []
     proc = run_cli(["train", *common_args(small_corpus), *batch, "--max_steps", "6", "--resume_from_checkpoint",
-                    str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no")
+                    str(saved), "--output_dir", str(run_dir)], env, nproc=world_size, mixed_precision="no", warm=True)
     check_ok(proc)
     assert f"checkpoint written by 2 rank(s), resuming on {world_size}" in proc.stdout
     # Not the launcher's one thread per worker: the cores shared by the processes on this machine.

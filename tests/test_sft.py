@@ -310,7 +310,7 @@ def test_a_preset_learns_chat_data_with_a_template_file(tmp_path, env, ragged_ch
     run_dir = tmp_path / "run"
     check_ok(run_cli(["train", "--model", "tiny-gpt2", "--dataset", str(ragged_chat), "--chat_template", str(template),
                       "--max_steps", "2", "--block_size", "128", "--sample_prompt", "", "--output_dir", str(run_dir)],
-                     env, nproc=None))
+                     env, nproc=None, warm=True))
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert tokenizer.chat_template == template.read_text()
     assert tokenizer.tokenize("assistant") == ["assistant"]  # learnt from the roles and turns, not from a text column

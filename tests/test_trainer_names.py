@@ -30,7 +30,7 @@ def test_a_run_clm_command_line_runs_as_written(tmp_path, env, text_file):
                     "--num_train_epochs", "1", "--per_device_train_batch_size", "2", "--save_steps", "5",
                     "--save_total_limit", "2", "--logging_steps", "1", "--warmup_ratio", "0.1",
                     "--lr_scheduler_type", "linear", "--overwrite_output_dir", "--block_size", "32",
-                    "--sample_prompt", "", "--output_dir", str(run_dir)], env, nproc=None)
+                    "--sample_prompt", "", "--output_dir", str(run_dir)], env, nproc=None, warm=True)
     check_ok(proc)
     text = (run_dir / "run_config.yaml").read_text()
     assert text.startswith("# fine-tuning defaults") and f"--model {model} is a pretrained model" in text.splitlines()[0]

@@ -1,6 +1,7 @@
 """The rank side of the tests' warm ranks (conftest.WarmRanks): started once by a
 real `accelerate launch` (so with the environment, the process group and the
-parent command line that launch gives a rank), then runs `finetune ARGS`
+parent command line that launch gives a rank), or as one plain process like
+`python -m finetune`, then runs `finetune ARGS`
 commands one after another, each as `main` would run in a fresh rank, with no
 interpreter start-up or imports in between (about 5 s a launch on 2 cores).
 
@@ -12,6 +13,7 @@ signal handlers. The process group stays: `destroy_process_group` of the
 default group is a no-op here, as under a fork launch.
 
     accelerate launch ... -m tests.warm_ranks QUEUE_DIR
+    python -m tests.warm_ranks QUEUE_DIR
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def run_one(argv: list[str], out: Path, err: Path) -> int:
 
 
 def serve(queue: Path) -> None:
-    rank = os.environ["RANK"]
+    rank = os.environ.get("RANK", "0")  # none without a launcher: one process
     environment = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     keep_the_process_group()
