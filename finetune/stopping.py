@@ -7,19 +7,29 @@ save a checkpoint together and exit. A checkpoint being written when the
 signal arrives is finished first. A second signal stops at once; a launcher
 that loses patience kills the ranks mid-save, and then the temporary
 checkpoint dir is simply never renamed (the last complete one stays `latest`).
+
+One stop request often reaches a rank twice: Ctrl-C goes to every process of
+the terminal's foreground group (the ranks and the launcher), Slurm's scancel
+to every process of the job step, and the launcher passes its own copy on to
+the ranks. So a repeat within REPEAT_GRACE_S of the first signal is that same
+request, not the second one (which would lose the checkpoint and the line that
+names it).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_GRACE_S = 2.0
 
 
 class StopSignals:
     def __init__(self):
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -33,9 +43,11 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt  # the second signal: stop now
-        self.received = signum
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self._received_at = signum, now
+        elif now - self._received_at > REPEAT_GRACE_S:
+            raise KeyboardInterrupt  # a second request: stop now
 
     @property
     def flag(self) -> float:
