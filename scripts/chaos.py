@@ -14,7 +14,8 @@ What each signal must do:
   a few seconds later and the run goes on, then is ended with SIGKILL.
 After the last round the run is resumed to its end, and an uninterrupted run of
 the same steps is made: every step must be logged exactly once, with the
-uninterrupted run's loss (fp32: equal to 1e-5). The rounds, their outcomes and
+uninterrupted run's loss (fp32: equal to 1e-5; a constant learning rate, so
+that the schedule does not depend on --max_steps). The rounds, their outcomes and
 the comparison go to OUTPUT_DIR/chaos.json and chaos.md. Outside the test suite
 (minutes); tests/test_trust.py runs three SIGKILL rounds.
 """
@@ -54,7 +55,8 @@ def train_command(args, run_dir: Path, max_steps: int, resume: bool) -> list[str
                str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
                str(free_port()), "--mixed_precision", "no", "-m", "finetune", "train", "--model", args.model,
                "--dataset", args.dataset, "--block_size", "64", "--per_device_batch_size", "4", "--sample_prompt", "",
-               "--max_eval_batches", "1", "--learning_rate", "3e-3", "--max_steps", str(max_steps),
+               "--max_eval_batches", "1", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+               "--max_steps", str(max_steps),
                "--checkpoint_every", "2", "--ddp_timeout", str(DDP_TIMEOUT_S), "--output_dir", str(run_dir)]
     return command + (["--resume_from_checkpoint", "latest"] if resume else [])
 

@@ -567,19 +567,22 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(checkpointed_run, tmp
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_leaves_a_resumable_checkpoint(tmp_path, env, small_corpus):
+def test_sigterm_to_every_process_of_the_launch_leaves_a_resumable_checkpoint(tmp_path, env, small_corpus):
+    """As Ctrl-C in a terminal or Slurm's scancel deliver it: to the launcher and
+    to each rank, which then gets it twice (the launcher passes its copy on)."""
     run_dir = tmp_path / "run"
     args = ["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "5",
             "--output_dir", str(run_dir)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
            "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no",
            "-m", "finetune", *args]
-    launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     deadline = time.time() + 120
     while not (run_dir / "checkpoints" / "step_000005").is_dir():  # mid-run, after a first checkpoint
         assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
         time.sleep(0.05)
-    launcher.send_signal(signal.SIGTERM)
+    os.killpg(launcher.pid, signal.SIGTERM)
     out, err = launcher.communicate(timeout=120)
 
     stopped = [line for line in err.splitlines() if "stopped: SIGTERM at step" in line]
