@@ -44,6 +44,7 @@ from finetune.errors import UsageError
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
+from finetune.run_dir import check_run_dir
 from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
 
 class ModelFilesPolicy(Protocol):
@@ -174,47 +175,6 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, backend: Back
                      f"with `finetune resume {checkpoint_dir.parent.parent}` (relaunched as it was launched) or under "
                      f"the accelerate config it was trained with (e.g. `--config_file $(finetune configs --path "
                      f"{written.example_config})`), or export it and start from the export with --model")
-
-
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse to mix two runs in one dir. Runs on every rank before the process
-    group exists, so no rank can see a file another one just wrote."""
-    run_dir = Path(cfg.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
-    writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
-    if not writable.is_dir():
-        raise UsageError(f"--output_dir {run_dir} cannot be made: {writable} is a file; choose another --output_dir")
-    if not os.access(writable, os.W_OK):
-        raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
-                         "--output_dir")
-    if link := first_link_inside(run_dir):
-        kind = "directory" if link.is_dir() else "file"
-        raise UsageError(f"{link} is a symbolic link (to {os.readlink(link)}); a run never writes or removes through "
-                         f"a link in its run dir: put the real {kind} there, or choose another --output_dir")
-    if cfg.resume_from_checkpoint or cfg.overwrite:
-        return
-    if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
-        raise UsageError(f"{run_dir} already holds a run; resume it with `finetune resume {run_dir}`, "
-                         "pass --overwrite, or choose another --output_dir")
-
-
-# What the trackers keep in a run dir, with links of their own (wandb's latest-run): finetune never writes there.
-TRACKER_DIRS = ("wandb", "mlruns")
-
-
-def first_link_inside(run_dir: Path) -> Path | None:
-    """A symbolic link under the run dir (which itself may be one), if any,
-    outside what the trackers keep (those dirs themselves may not be links)."""
-    if not run_dir.is_dir():
-        return None
-    for parent, dirs, files in os.walk(run_dir):  # does not descend into linked directories
-        for name in sorted(dirs + files):
-            if (path := Path(parent) / name).is_symlink():
-                return path
-        if Path(parent) == run_dir:
-            dirs[:] = [d for d in dirs if d not in TRACKER_DIRS]
-    return None
 
 
 def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:

@@ -317,6 +317,9 @@ def leave_the_word_to_rank_zero() -> None:
 
 
 def _run(cfg: TrainConfig) -> int:
+    from finetune.run_dir import check_run_dir
+
+    check_run_dir(cfg)  # before the libraries load: a wrong --output_dir fails in a second, not five
     from finetune.inference import generate_text
     from finetune.report import eval_line
     from finetune.train import train

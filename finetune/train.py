@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from finetune.checkpoint import (CheckpointManager, TrainingProgress, check_run_dir, checkpoint_step,
+from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step,
                                  complete_checkpoints, resolve_checkpoint, saved_config)
 from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
@@ -118,7 +118,6 @@ def train(cfg: TrainConfig) -> dict:
     backend = requested_backend()
     backend.import_libraries()
     host = HostMemory()
-    check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
     task = build_task(cfg)
     task.method.check_supported_here()

@@ -89,6 +89,16 @@ def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fs
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def run_cli_together(runs: list[tuple[list[str], dict]], env: dict, timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Independent warm runs (ARGS, run_cli's launch keywords), each on its own
+    launch, at the same time: one run's ranks leave cores idle (one loads while
+    the other waits, the main process saves alone) that another fills."""
+    commands = [([str(a) for a in args], launch_options(launch.get("nproc", 2), launch.get("config", "fsdp.yaml"),
+                                                        launch.get("mixed_precision"), launch.get("extra_launch", ())))
+                for args, launch in runs]
+    return WarmRanks.run_together(commands, env, timeout)
+
+
 class WarmRanks:
     """Ranks of one real `accelerate launch` that run command after command
     (tests/warm_ranks.py): a run on them is the run a launch with the same
@@ -114,26 +124,42 @@ class WarmRanks:
 
     @classmethod
     def run(cls, args: list[str], env: dict, options: list[str] | None, timeout: float) -> subprocess.CompletedProcess:
-        key = (options and tuple(without_port(options)), tuple(sorted(env.items())))
-        ranks = cls.running.pop(key, None)
-        if ranks is None or ranks.launcher.poll() is not None:
-            while len(cls.running) >= cls.KEPT:
-                cls.running.pop(next(iter(cls.running))).close()
-            ranks = WarmRanks(options, env)
-        proc = ranks.command(args, timeout)
-        if proc.returncode == 0:
-            cls.running[key] = ranks  # the most recently used last
-        else:
-            ranks.close(at_once=True)
-        return proc
+        return cls.run_together([(args, options)], env, timeout)[0]
 
-    def command(self, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    @classmethod
+    def run_together(cls, commands: list[tuple[list[str], list[str] | None]], env: dict,
+                     timeout: float) -> list[subprocess.CompletedProcess]:
+        """Commands on launches of different options at the same time (each
+        launch one command), for independent runs whose ranks leave cores idle."""
+        keys = [(options and tuple(without_port(options)), tuple(sorted(env.items()))) for _, options in commands]
+        assert len(set(keys)) == len(keys), "one command per launch"
+        launches = []
+        for key, (args, options) in zip(keys, commands):
+            ranks = cls.running.pop(key, None)
+            if ranks is None or ranks.launcher.poll() is not None:
+                while len(cls.running) + len(commands) > cls.KEPT:
+                    cls.running.pop(next(iter(cls.running))).close()
+                ranks = WarmRanks(options, env)
+            launches.append((key, ranks, ranks.submit(args)))
+        deadline = time.monotonic() + timeout
+        procs = [ranks.collect(n, args, deadline) for (_, ranks, n), (args, _) in zip(launches, commands)]
+        for (key, ranks, _), proc in zip(launches, procs):
+            if proc.returncode == 0:
+                cls.running[key] = ranks  # the most recently used last
+            else:
+                ranks.close(at_once=True)
+        return procs
+
+    def submit(self, args: list[str]) -> int:
         n, self.n = self.n, self.n + 1
         scratch = self.queue / f"cmd-{n}.json.tmp"
         scratch.write_text(json.dumps({"argv": args}))
         scratch.replace(self.queue / f"cmd-{n}.json")
+        return n
+
+    def collect(self, n: int, args: list[str], deadline: float) -> subprocess.CompletedProcess:
         done = [self.queue / f"done-{n}-{rank}" for rank in range(self.nproc)]
-        deadline, failed_at = time.monotonic() + timeout, None
+        failed_at = None
         while not all(path.exists() for path in done):
             codes = [int(path.read_text()) for path in done if path.exists()]
             if any(codes) and failed_at is None:
@@ -142,7 +168,7 @@ class WarmRanks:
                 break
             if time.monotonic() > deadline:
                 self.close(at_once=True)
-                raise subprocess.TimeoutExpired(args, timeout)
+                raise subprocess.TimeoutExpired(args, deadline)
             time.sleep(0.02)
         codes = [int(path.read_text()) if path.exists() else 1 for path in done]
         read = lambda name: "".join((self.queue / f"{name}-{n}-{rank}").read_text()  # noqa: E731

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_in_process, train_rows
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_cli_together, run_in_process, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +71,10 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
     args = ["--model", "small-gpt2", "--dataset", str(small_corpus), "--block_size", "256",
             "--per_device_batch_size", "8", "--max_steps", "3", "--sample_prompt", "", "--max_eval_batches", "1",
             "--checkpoint_every", "3", "--profile_steps", "1"]
-    runs = {}
-    for config in ("fsdp.yaml", "fsdp_activation_checkpointing.yaml"):
-        runs[config] = tmp_path / config
-        check_ok(run_cli(["train", *args, "--output_dir", str(runs[config])], env, config=config,
-                         mixed_precision="no", warm=True))
+    runs = {config: tmp_path / config for config in ("fsdp.yaml", "fsdp_activation_checkpointing.yaml")}
+    for proc in run_cli_together([(["train", *args, "--output_dir", str(run_dir)],
+                                   {"config": config, "mixed_precision": "no"}) for config, run_dir in runs.items()], env):
+        check_ok(proc)
     plain, checkpointed = (train_rows(runs[c]) for c in runs)
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
 

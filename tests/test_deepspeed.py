@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import check_ok, common_args, run_cli, run_in_process, train_rows
+from conftest import check_ok, common_args, run_cli, run_cli_together, run_in_process, train_rows
 from test_errors import one_error_line, snapshot
 from test_resume import interrupted_copy
 
@@ -35,14 +35,12 @@ def summary(run_dir: Path) -> dict:
 def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
     """One run per stage, launched as the config's header documents it (its default precision: fp32),
     5 steps with 2 micro-batches each, a checkpoint at step 3 and at the end."""
-    runs = {}
-    for stage in (1, 2, 3):
-        run_dir = tmp_path_factory.mktemp(f"zero{stage}") / "run"
-        proc = run_cli(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)], env,
-                       config=f"zero{stage}.yaml", warm=True)
+    runs = {stage: tmp_path_factory.mktemp(f"zero{stage}") / "run" for stage in (1, 2, 3)}
+    procs = run_cli_together([(["train", *common_args(small_corpus), *TWO_RANKS, "--output_dir", str(run_dir)],
+                               {"config": f"zero{stage}.yaml"}) for stage, run_dir in runs.items()], env)
+    for run_dir, proc in zip(runs.values(), procs):
         check_ok(proc)
         (run_dir.parent / "stdout.txt").write_text(proc.stdout)
-        runs[stage] = run_dir
     return runs
 
 
