@@ -172,7 +172,7 @@ def main() -> None:
     args.output_dir.mkdir(parents=True)
     run_dir, reference_dir = args.output_dir / "run", args.output_dir / "uninterrupted"
     rng = random.Random(args.seed)
-    # Every (signal, victim) pair equally often, in a seeded order.
+    # Each (signal, victim) pair in turn, as evenly as the rounds allow, in a seeded order.
     plan = [(victim, sig) for sig in SIGNALS for victim in VICTIMS]
     plan = [plan[i % len(plan)] for i in range(args.rounds)]
     rng.shuffle(plan)
