@@ -114,6 +114,7 @@ class WarmRanks:
     def __init__(self, options: list[str] | None, env: dict):
         """`options`: accelerate launch's; None: one plain process, as `python -m finetune`."""
         self.queue = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
+        (self.queue / "owner").write_text(str(os.getpid()))
         self.nproc = 1 if options is None else int(options[options.index("--num_processes") + 1])
         self.n = 0
         launcher = [] if options is None else ["-m", "accelerate.commands.launch", *options]

@@ -81,18 +81,31 @@ def run_one(argv: list[str], out: Path, err: Path) -> int:
     return code
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def serve(queue: Path) -> None:
     rank = os.environ.get("RANK", "0")  # none without a launcher: one process
     environment = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     keep_the_process_group()
+    owner = int((queue / "owner").read_text())  # the test process: its ranks end with it, however it ends
     n = 0
     while True:
         command = queue / f"cmd-{n}.json"
+        waited = 0
         while not command.exists():
-            if os.getppid() == 1:  # the launcher is gone
+            if os.getppid() == 1 or (waited % 50 == 0 and not alive(owner)):  # the launcher or the tests are gone
                 return
             time.sleep(0.02)
+            waited += 1
         request = json.loads(command.read_text())
         if request.get("exit"):
             return
