@@ -40,7 +40,7 @@ from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
 from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
-from finetune.errors import UsageError
+from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
@@ -325,14 +325,15 @@ class CheckpointManager:
             on_every_rank(acc, lambda: self._complete(tmp, target, progress))
         except WriteFailed as e:
             # torch.save's own words for a full disk are cryptic: look at the disk before freeing the temporary dir.
-            free = shutil.disk_usage(self.root).free
-            reason = f"no space left on the device, {free:,} bytes free" if free < FULL_DISK_BYTES else str(e)
+            full = shutil.disk_usage(self.root).free < FULL_DISK_BYTES
+            reason = f"no space left on the device, {shutil.disk_usage(self.root).free:,} bytes free" if full else str(e)
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             newest = complete_checkpoints(self.root.parent)
             kept = f"{newest[-1]} is intact" if newest else "no earlier checkpoint exists"
-            raise UsageError(f"could not write checkpoint {target} ({reason}); {kept}: free space or fix the "
-                             f"permissions of {self.root}, then continue with `finetune resume {self.root.parent}`") from None
+            raise UsageError(f"could not write checkpoint {target} ({reason}); {kept}: "
+                             f"{write_failure_fix(reason, self.root, full)}, then continue with "
+                             f"`finetune resume {self.root.parent}`") from None
         self.last_saved_step = progress.step
         say(acc, f"saved checkpoint {target} in {time.perf_counter() - start:.2f} s")
         return target

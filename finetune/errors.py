@@ -32,3 +32,23 @@ class RankLost(Exception):
 
 class NotDistributed(Exception):
     exit_code = 1
+
+
+# What the OS says when a write fails, and what to do about it: the fix follows the cause.
+WRITE_FIXES = (
+    (("No space left", "Disk quota exceeded", "File too large"), "free space on that device"),
+    (("Permission denied", "Read-only file system", "Operation not permitted"), "fix the permissions of {where}"),
+    (("File exists", "Directory not empty", "Is a directory", "Not a directory"),
+     "move aside what is already in the way under {where}"),
+)
+
+
+def write_failure_fix(reason: str, where: object, out_of_space: bool = False) -> str:
+    """The fix for a failed write, from its reason (`out_of_space`: the disk was
+    found nearly full, whatever the library said)."""
+    if out_of_space:
+        return WRITE_FIXES[0][1]
+    for causes, fix in WRITE_FIXES:
+        if any(cause.lower() in reason.lower() for cause in causes):
+            return fix.format(where=where)
+    return f"remove the cause named in parentheses (under {where})"

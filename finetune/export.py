@@ -17,7 +17,7 @@ from finetune.backends import REGISTRY as BACKENDS, weights_in
 from finetune.backends.base import Backend
 from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
 from finetune.config import data_options, load_config
-from finetune.errors import UsageError
+from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import check_output_dir, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.peft import method_of_checkpoint
@@ -107,8 +107,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
                                max_shard_size=max_shard_size, overwrite=overwrite, tied=tied)
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
-        raise UsageError(f"could not write {output} ({reason}); it was left as it was: free space or choose another "
-                         "--output") from None
+        raise UsageError(f"could not write {output} ({reason}); it was left as it was: "
+                         f"{write_failure_fix(reason, Path(output).parent)}, or choose another --output") from None
 
 
 def run_task(checkpoint_dir: Path, base_model: str | None, trust_remote_code: bool):

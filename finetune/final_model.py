@@ -10,7 +10,7 @@ from pathlib import Path
 
 from finetune.collectives import WriteFailed, on_every_rank, serve_full_tensors
 from finetune.config import byte_count, data_options
-from finetune.errors import UsageError
+from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import write_model_dir
 from finetune.parameters import canonical_name
 
@@ -51,6 +51,7 @@ def write_final_model(run) -> Path:
         with backend.models_built_whole(acc):
             on_every_rank(acc, write)
     except WriteFailed as e:
-        raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: free space, "
-                         f"then `finetune export {run.run_dir} --output DIR`") from None
+        raise UsageError(f"could not write {final_dir} ({e}); the final checkpoint holds the trained model: "
+                         f"{write_failure_fix(str(e), run.run_dir)}, then `finetune export {run.run_dir} --output DIR`"
+                         ) from None
     return final_dir
