@@ -325,8 +325,9 @@ class CheckpointManager:
             on_every_rank(acc, lambda: self._complete(tmp, target, progress))
         except WriteFailed as e:
             # torch.save's own words for a full disk are cryptic: look at the disk before freeing the temporary dir.
-            full = shutil.disk_usage(self.root).free < FULL_DISK_BYTES
-            reason = f"no space left on the device, {shutil.disk_usage(self.root).free:,} bytes free" if full else str(e)
+            free = shutil.disk_usage(self.root).free
+            full = free < FULL_DISK_BYTES
+            reason = f"no space left on the device, {free:,} bytes free" if full else str(e)
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             newest = complete_checkpoints(self.root.parent)
