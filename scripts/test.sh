@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, then runs the whole test suite (unit tests and real
 # multi-process FSDP runs on CPU). Extra arguments go to pytest.
+#   FINETUNE_TEST_WORKERS  test files run at once (default 2; 0 runs them in this process)
+# Two workers keep both cores busy: much of a run is one process starting up.
 FINETUNE_EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest "$@"
+python -m pytest -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

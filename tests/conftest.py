@@ -26,6 +26,20 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALL
 CONFIGS = REPO / "accelerate_configs"
 
 
+# The suite runs on two workers, a test file each (scripts/test.sh: pytest-xdist,
+# --dist loadfile). Files are handed out in collection order, so the longest
+# ones go first and the short ones fill in at the end: started last, one of these
+# would leave the other worker idle for minutes. Roughly longest first (seconds
+# on 2 cores); the rest keep their order.
+LONGEST_FILES = ["test_large_models.py", "test_deepspeed.py", "test_configs.py", "test_cnn.py", "test_resume.py",
+                 "test_memory_planner.py", "test_trust.py", "test_lora.py", "test_quickstart.py", "test_errors.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
