@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -275,15 +275,36 @@ def common_args(corpus: Path) -> list[str]:
             "--sample_prompt", "", "--max_eval_batches", "1", "--learning_rate", "3e-3"]
 
 
+def made_once(tmp_path_factory, worker_id: str, name: str, make: Callable[[Path], None]) -> Path:
+    """A dir that `make` fills once per session, for every xdist worker: the
+    first worker to get here makes it under a lock, the others wait and read
+    it (the tests that take it must leave it as it is)."""
+    if worker_id == "master":  # one process: nothing to share
+        path = tmp_path_factory.mktemp(name)
+        make(path)
+        return path
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    path, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)  # a worker that failed making it
+            path.mkdir()
+            make(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
-def checkpointed_run(tmp_path_factory, env, small_corpus) -> Path:
+def checkpointed_run(tmp_path_factory, worker_id, env, small_corpus) -> Path:
     """fp32, 2-process FSDP, 12 steps, a checkpoint every 6. A launch of its own:
     test_memory_planner holds its peak resident set against the planner's."""
-    run_dir = tmp_path_factory.mktemp("checkpointed") / "run"
-    proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
-                    "--output_dir", str(run_dir)], env, mixed_precision="no")
-    check_ok(proc)
-    return run_dir
+    def train(path: Path) -> None:
+        check_ok(run_cli(["train", *common_args(small_corpus), "--max_steps", "12", "--checkpoint_every", "6",
+                          "--output_dir", str(path / "run")], env, mixed_precision="no"))
+
+    return made_once(tmp_path_factory, worker_id, "checkpointed", train) / "run"
 
 
 # --- the README's commands ------------------------------------------------------------------------
@@ -309,13 +330,16 @@ def readme_commands() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def readme_workdir(tmp_path_factory, env) -> Path:
+def readme_workdir(tmp_path_factory, worker_id, env) -> Path:
     """Runs the README's commands in order in a fresh dir, as a user would copy them:
     `accelerate launch` for real, with nothing added but a free port (so in the
     config's bf16 on any CPU), `finetune ...` through the console script's `main`."""
+    return made_once(tmp_path_factory, worker_id, "readme", lambda work: run_readme_commands(work, env))
+
+
+def run_readme_commands(work: Path, env: dict) -> None:
     from contextlib import chdir
 
-    work = tmp_path_factory.mktemp("readme")
     (work / "accelerate_configs").symlink_to(CONFIGS)
     for command in readme_commands():
         if any(marker in command for marker in README_SKIPPED):
@@ -338,4 +362,3 @@ def readme_workdir(tmp_path_factory, env) -> Path:
         check_ok(proc)
         with (work / "commands.log").open("a") as log:
             log.write(f"$ {command}\n{proc.stdout}\n")
-    return work
