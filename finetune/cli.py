@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
-                             TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+                             PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
@@ -39,6 +39,7 @@ OPTION_GROUPS = {
                  "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
                  "max_grad_norm", "seed", "loss_chunk_size"),
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
                                 "resume_from_checkpoint", "allow_unverified_checkpoint", "max_shard_size"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
@@ -62,7 +63,8 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
         fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
                        if f.name in FINE_TUNING_DEFAULTS else "")
         if f.name == "learning_rate":
-            fine_tuning += f", with --peft lora: {LORA_LEARNING_RATE!r}"
+            fine_tuning += (f", with --peft lora: {LORA_LEARNING_RATE!r}; --method dpo/simpo: "
+                            f"{PREFERENCE_LEARNING_RATES['full']!r}, with LoRA {PREFERENCE_LEARNING_RATES['lora']!r}")
         by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
                           if f.name in entry.defaults)
         help_text = f"{f.metadata['help']} (default: {default!r}{fine_tuning}{by_task})".replace("%", "%%")

@@ -29,13 +29,21 @@ OPTIMIZERS = ("adamw", "adam")
 # transformers.get_scheduler's names, and the lectures' per-epoch StepLR.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup", "polynomial", "step")
 REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
-DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion")
+DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion", "preference")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
 PEFT_METHODS = ("none", "lora", "qlora")
 MODEL_DTYPES = ("float32", "bfloat16")
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
+TRAINING_METHODS = ("sft", "dpo", "simpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
+# Preference tuning moves a model much less than SFT: TRL's DPOConfig default
+# for full fine-tuning, and the rate of its LoRA example.
+PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}
+# Options that only one method reads, refused on the command line for the others (as LoRA's are).
+METHOD_OPTIONS = {"dpo_beta": ("dpo", "simpo"), "max_prompt_length": ("dpo", "simpo"), "dpo_loss": ("dpo",),
+                  "reference_model": ("dpo",), "simpo_gamma": ("simpo",)}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
@@ -70,6 +78,7 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
                 "text_sample_by", "chat_template", "train_on_prompt", "packing", "long_examples", "block_size",
+                "max_prompt_length",
                 "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
 
 
@@ -141,6 +150,19 @@ class TrainConfig:
                             choices=MODEL_DTYPES)
     peft: str = _opt("none", "none (train every parameter), lora (train LoRA adapters on a frozen base, through "
                      "peft) or qlora (LoRA on a 4-bit base; GPUs only)", choices=PEFT_METHODS)
+    method: str = _opt("sft", "what the loss learns (causal-lm): sft (the text's next tokens, or the answers of "
+                       "chat/instruction data), dpo (preference pairs against a frozen reference: the starting model, "
+                       "or the base with the adapters off under LoRA) or simpo (preference pairs, no reference: "
+                       "length-normalised log-probs and a target margin)", choices=TRAINING_METHODS)
+    dpo_beta: float = _opt(0.1, "dpo: how far the policy may move from the reference; simpo: the reward scale (the "
+                           "SimPO paper uses 2 to 2.5)")
+    dpo_loss: str = _opt("sigmoid", "dpo: sigmoid (the DPO paper), ipo (squared, on per-token log-probs) or hinge "
+                         "(TRL's names and formulas)", choices=DPO_LOSSES)
+    simpo_gamma: float = _opt(0.5, "simpo: the reward margin the chosen completion should win by")
+    max_prompt_length: int = _opt(0, "dpo/simpo: drop (counted) the pairs whose prompt has more tokens than this "
+                                  "(0 = any prompt that leaves room in --block_size)")
+    reference_model: str = _opt("", "dpo: the frozen reference, a HF model dir or Hub id (empty: the starting model, "
+                                "--model)")
     lora_r: int = _opt(8, "LoRA rank")
     lora_alpha: float = _opt(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r")
     lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")
@@ -226,7 +248,7 @@ class TrainConfig:
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                         "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
-                        "loss_chunk_size"]
+                        "loss_chunk_size", "max_prompt_length"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")
@@ -249,6 +271,21 @@ class TrainConfig:
         if self.model_dtype != "float32" and self.task != "causal-lm":
             raise UsageError(f"--model_dtype {self.model_dtype} is for --task causal-lm; train {self.task} models in "
                              "float32 (mixed precision comes from the accelerate config)")
+        if self.method != "sft" and self.task != "causal-lm":
+            raise UsageError(f"--method {self.method} is for --task causal-lm; train {self.task} models with --method sft")
+        if not (self.dpo_beta > 0 and math.isfinite(self.dpo_beta)):
+            raise UsageError(f"--dpo_beta must be a positive number, got {self.dpo_beta}; pass e.g. 0.1")
+        if not math.isfinite(self.simpo_gamma):
+            raise UsageError(f"--simpo_gamma must be a number, got {self.simpo_gamma}; pass e.g. 0.5")
+        if self.method == "sft" and self.data_format == "preference":
+            raise UsageError("--data_format preference holds chosen/rejected pairs, which --method sft does not "
+                             "train on; pass --method dpo (or simpo)")
+        if self.method != "sft" and self.data_format not in ("auto", "preference"):
+            raise UsageError(f"--method {self.method} trains on preference pairs (chosen/rejected), not "
+                             f"--data_format {self.data_format}; pass --data_format preference or auto")
+        if self.reference_model and self.peft != "none":
+            raise UsageError(f"with --peft {self.peft} the reference is the base with the adapters off, so there is "
+                             "no --reference_model to load; drop it, or train every parameter (--peft none)")
         if self.peft != "none" and self.task != "causal-lm":
             raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft none")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -272,7 +309,8 @@ class TrainConfig:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
-                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS),
+                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", TRAINING_METHODS),
+                              ("dpo_loss", DPO_LOSSES),
                               ("model_dtype", MODEL_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
@@ -424,12 +462,19 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):
         raise UsageError(f"--{given[0]} applies to LoRA runs and this run trains every parameter; add --peft lora, "
                          f"or drop --{given[0]}")
+    method = values.get("method", TrainConfig.method)
+    if given := [n for n, methods in METHOD_OPTIONS.items() if n in overrides and method not in methods]:
+        users = " or ".join(METHOD_OPTIONS[given[0]])
+        raise UsageError(f"--{given[0]} applies to --method {users} and this run is --method {method}; add "
+                         f"--method {METHOD_OPTIONS[given[0]][0]}, or drop --{given[0]}")
     task = values.get("task", TrainConfig.task)
     if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
         entry = REGISTRY[task]
         model = values.get("model", entry.defaults.get("model", TrainConfig.model))
+        adapters = "lora" if values.get("peft", "none") != "none" else "full"
         fine_tuning = {} if from_scratch(model) else {
-            **FINE_TUNING_DEFAULTS, **({"learning_rate": LORA_LEARNING_RATE} if values.get("peft", "none") != "none" else {})}
+            **FINE_TUNING_DEFAULTS, **({"learning_rate": LORA_LEARNING_RATE} if adapters == "lora" else {}),
+            **({"learning_rate": PREFERENCE_LEARNING_RATES[adapters]} if method != "sft" else {})}
         values = {**entry.defaults, **fine_tuning, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()

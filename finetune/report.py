@@ -55,7 +55,8 @@ def flat_names(values: dict) -> dict:
     flat = {}
     for key, value in values.items():
         group, _, name = key.partition("/")
-        flat["eval_loss" if (group, name) == ("eval", "loss") else name or key] = value
+        # eval rows keep eval_ on TRL's slashed names (eval_rewards/chosen), as on eval_loss
+        flat[f"eval_{name}" if group == "eval" and (name == "loss" or "/" in name) else name or key] = value
     return flat
 
 
@@ -252,8 +253,9 @@ def rank_warning(accelerator, message: str) -> None:
 
 def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
     unit = throughput_key.removesuffix("_per_sec")
+    extra = "".join(f"  {name} {row[name]:.4f}" for name in row if "/" in name)  # a method's own (rewards/...)
     return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
-            f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}")
+            f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}{extra}")
 
 
 def evaluation_line(step: int, result: dict, metric: str) -> str:
@@ -285,6 +287,8 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "total_params": run.shards.total_params,
         "trainable_params": trainable,
         "peft": run.cfg.peft,
+        "method": run.cfg.method,
+        **run.task.summary_facts(),  # a preference run's reference: its parameters on each rank
         "fsdp_units": run.fsdp_units,
         "local_params_per_rank": run.shards.local_params_per_rank,
         "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc, run.host)),

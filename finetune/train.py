@@ -112,6 +112,7 @@ class StepResult:
     seconds: float      # the step's data loading and compute
     epoch_end: bool     # the step used the epoch's last micro-batch
     resident_bytes_per_rank: list[int] = field(default_factory=list)  # each rank's RSS after the step
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's step metrics, means over the targets
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -193,6 +194,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     backend.fit_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     backend.after_prepare(model)
+    task.prepared(accelerator, backend)
     if task.own_shards is not None:
         task.own_shards.fill(model, task.method.added_by_method)  # each rank reads the rows of the weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
@@ -339,12 +341,13 @@ def train_step(run: Run) -> StepResult:
     # Accelerate syncs the gradients (and DeepSpeed steps) when its counter
     # reaches gradient_accumulation_steps: start it so the step's last micro-batch does.
     acc.step = cfg.gradient_accumulation_steps - len(micro_batches)
-    totals = torch.zeros(2, device=acc.device)  # loss sum, units on this rank
+    metric_names = run.task.step_metrics
+    totals = torch.zeros(2 + len(metric_names), device=acc.device)  # loss sum, units, metric sums on this rank
     for batch in micro_batches:
         with acc.accumulate(model):
             terms = run.task.loss(model, batch)
             acc.backward(terms.total * weight)
-        totals += torch.stack([terms.total.detach(), terms.units]).to(totals)
+        totals += torch.stack([terms.total.detach(), terms.units, *(terms.metrics[m] for m in metric_names)]).to(totals)
     grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
     lr = run.schedule.lr
     run.optimizer.step()
@@ -353,9 +356,11 @@ def train_step(run: Run) -> StepResult:
     # One collective: the sums, and each rank's resident memory in its own slot.
     resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
     resident[acc.process_index] = resident_bytes()
-    loss_sum, units, *resident = acc.reduce(torch.cat([totals.double(), resident]), reduction="sum").tolist()
+    loss_sum, units, *sums = acc.reduce(torch.cat([totals.double(), resident]), reduction="sum").tolist()
+    metric_sums, resident = sums[:len(metric_names)], sums[len(metric_names):]
     return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
-                      epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident])
+                      epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident],
+                      metrics={name: value / max(count, 1) for name, value in zip(metric_names, metric_sums)})
 
 
 def after_step(run: Run, result: StepResult) -> None:
@@ -373,6 +378,7 @@ def after_step(run: Run, result: StepResult) -> None:
     if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
         row = {"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
                "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput,
+               **result.metrics,
                # a scalar per rank, as every tracker plots them
                **{f"rss_bytes_rank{rank}": b for rank, b in enumerate(result.resident_bytes_per_rank)}}
         run.log(row)

@@ -132,6 +132,14 @@ class Backend:
     def after_prepare(self, model: torch.nn.Module) -> None:
         """Adjusts the prepared model to the machine."""
 
+    # A model that only runs forward (a preference method's frozen reference).
+    frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead
+
+    def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+        """The model laid out as the trained one is, with no gradients and no
+        optimizer state; here every rank holds it whole, as it holds the trained one."""
+        return model.requires_grad_(False).eval().to(accelerator.device)
+
     def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
         """Each rank's parameters; fails loudly where sharding was asked for and did not happen."""
         return shard_report(model, accelerator)

@@ -147,6 +147,10 @@ class DeepSpeed(Backend):
             return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
         return InitProcessGroupKwargs(timeout=timeout)
 
+    frozen_model_refusal = ("a frozen reference model under DeepSpeed would need an engine of its own, which "
+                            "finetune does not build; pass --peft lora (the reference is then the base with the "
+                            "adapters off), or launch with `--config_file $(finetune configs --path fsdp)`")
+
     def check_chosen(self, accelerator: Accelerator) -> None:
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise NotDistributed(f"the accelerate config asks for DeepSpeed but Accelerate chose "

@@ -124,6 +124,16 @@ class FSDP2(Backend):
     def after_prepare(self, model: torch.nn.Module) -> None:
         use_gloo_collectives(model)
 
+    def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+        """Sharded like the trained model (the same units, mixed precision and
+        loading), outside `prepare`: Accelerate's FSDP2 `prepare` wants an
+        optimizer, and what it prepares it also checkpoints."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model = fsdp2_prepare_model(accelerator, model.requires_grad_(False).eval())
+        self.after_prepare(model)
+        return model
+
     def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
         """Fail loudly when FSDP was asked for and the parameters are not sharded."""
         report = shard_report(model, accelerator)
@@ -243,6 +253,10 @@ class FSDP1(FSDP2):
 
     def after_prepare(self, model: torch.nn.Module) -> None:
         """FSDP1 takes no custom collectives."""
+
+    frozen_model_refusal = ("a frozen reference model is sharded under FSDP2 only; launch with "
+                            "`--config_file $(finetune configs --path fsdp)`, or pass --peft lora (the reference is "
+                            "then the base with the adapters off)")
 
     def weights_from_main_process(self, accelerator: Accelerator) -> bool:
         return False

@@ -125,3 +125,20 @@ def build_stdlib_questions() -> Path:
     """Questions about public stdlib functions and classes, answered by the
     first paragraph of their docstrings, as {"messages": [user, assistant]}."""
     return _write_once("stdlib-questions", _questions)
+
+
+def _preferences() -> Iterator[dict]:
+    """Each question answered right (chosen) and with the answer of a question
+    half the list away (rejected): fluent, on topic in form, and wrong."""
+    rows = [json.loads(line) for line in build_stdlib_questions().read_text().splitlines()]
+    for i, row in enumerate(rows):
+        question, answer = row["messages"]
+        other = rows[(i + len(rows) // 2) % len(rows)]["messages"][1]
+        if other["content"] != answer["content"]:
+            yield {"prompt": [question], "chosen": [answer], "rejected": [other]}
+
+
+def build_stdlib_preferences() -> Path:
+    """The built-in questions as preference pairs: {"prompt": [user],
+    "chosen": [the docstring's answer], "rejected": [another function's]}."""
+    return _write_once("stdlib-preferences", _preferences)

@@ -37,9 +37,9 @@ from finetune.errors import UsageError
 
 IGNORE = -100
 # The columns that name each format, in the order detection tries them.
-FORMAT_COLUMNS = {"chat": ("messages",), "instruction": ("instruction", "output"),
+FORMAT_COLUMNS = {"preference": ("chosen", "rejected"), "chat": ("messages",), "instruction": ("instruction", "output"),
                   "prompt_completion": ("prompt", "completion")}
-SFT_FORMATS = tuple(FORMAT_COLUMNS)
+SFT_FORMATS = ("chat", "instruction", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 # Each example's 1-based number in its source split, kept through the held-out
 # split's shuffle so that errors name the example the user can find.
@@ -57,8 +57,9 @@ def detect_format(columns: list[str], requested: str, text_column: str, dataset:
         if text_column in columns:
             return "text"
         raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {have}), nor those of chat "
-                         "(messages), instruction (instruction/output) or prompt_completion (prompt/completion) data; "
-                         "pass --text_column with the right name, or rename the columns")
+                         "(messages), instruction (instruction/output), prompt_completion (prompt/completion) or "
+                         "preference (chosen/rejected) data; pass --text_column with the right name, or rename the "
+                         "columns")
     needed = FORMAT_COLUMNS.get(requested, (text_column,))
     missing = [c for c in needed if c not in columns]
     if missing:
@@ -75,6 +76,15 @@ def detect_format(columns: list[str], requested: str, text_column: str, dataset:
 
 def check_messages(messages: Any, where: str) -> list[dict]:
     """A list of {role, content} with known roles and at least one assistant turn."""
+    messages = well_formed_messages(messages, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UsageError(f"{where}: the conversation has no assistant turn, so there is nothing to learn; "
+                         "add the assistant's answer or drop the row")
+    return messages
+
+
+def well_formed_messages(messages: Any, where: str) -> list[dict]:
+    """A non-empty list of {role, content} with known roles, no tool calls and no empty answer."""
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):
@@ -85,9 +95,6 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     if unknown:
         raise UsageError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))} in messages; use "
                          f"{', '.join(ROLES)}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UsageError(f"{where}: the conversation has no assistant turn, so there is nothing to learn; "
-                         "add the assistant's answer or drop the row")
     if any(m.get("tool_calls") for m in messages):
         # Only role and content are rendered: the call would be learnt as an empty answer.
         raise UsageError(f"{where}: an assistant turn calls tools (tool_calls), and finetune trains on text answers "
@@ -130,14 +137,20 @@ class ChatEncoder:
 
     def encode(self, row: dict, index: int) -> Encoded:
         where = f"example {row.get(EXAMPLE_NUMBER, index + 1)}"
-        if self.data_format == "prompt_completion":
-            text, spans = self._prompt_completion(row, where)
-            add_special = True  # plain text, tokenized as the text format tokenizes it
-        else:
+        if self.data_format != "prompt_completion":
             messages = check_messages(row["messages"], where) if self.data_format == "chat" \
                 else instruction_messages(row, where)
-            text, spans = self.render(messages, where)
-            add_special = False  # the template writes its own BOS and scaffolding
+            return self.encode_messages(messages, where)
+        text, spans = self._prompt_completion(row, where)
+        return self._labelled(text, spans, add_special=True)  # plain text, tokenized as the text format tokenizes it
+
+    def encode_messages(self, messages: list[dict], where: str, first_answer: int = 0) -> Encoded:
+        """Labels on the assistant turns from the `first_answer`-th on (a
+        preference pair's completion follows a prompt that may hold answers)."""
+        text, spans = self.render(messages, where)
+        return self._labelled(text, spans[first_answer:], add_special=False)  # the template writes BOS and scaffolding
+
+    def _labelled(self, text: str, spans: list[tuple[int, int]], add_special: bool) -> Encoded:
         enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
         ids = enc["input_ids"]
         if self.data_format == "prompt_completion":

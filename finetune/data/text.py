@@ -11,7 +11,7 @@ from __future__ import annotations
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.builtin import build_stdlib_corpus, build_stdlib_questions
+from finetune.data.builtin import build_stdlib_corpus, build_stdlib_preferences, build_stdlib_questions
 from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
 from finetune.data.sources import load_source, train_and_held_out, train_split
 from finetune.errors import UsageError
@@ -27,6 +27,10 @@ def _builtin_chat() -> DatasetDict:
     return load_dataset("json", data_files=str(build_stdlib_questions()))
 
 
+def _builtin_preference() -> DatasetDict:
+    return load_dataset("json", data_files=str(build_stdlib_preferences()))
+
+
 def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float, seed: int, *,
                   config: str = "", split: str = "", eval_split: str = "",
                   sample_by: str = "paragraph") -> tuple[DatasetDict, str]:
@@ -34,7 +38,8 @@ def load_raw_data(dataset: str, data_format: str, text_column: str, validation_s
     embedded default is plain text, or questions and answers for SFT formats.
     `config`, `split` and `eval_split`: see sources.py; `sample_by`: what one
     document of a .txt file is (see `_txt_options`)."""
-    builtin = _builtin_chat if data_format in SFT_FORMATS else _builtin_text
+    builtin = {**dict.fromkeys(SFT_FORMATS, _builtin_chat), "preference": _builtin_preference}.get(data_format,
+                                                                                                 _builtin_text)
     raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config, _txt_options(sample_by))
     data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset)
     if data_format == "text":

@@ -6,7 +6,7 @@ finetune/tasks/__init__.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -55,6 +55,7 @@ class LossSum:
     targets in it (`Task.targets`), so ragged batches weigh every target the same."""
     total: torch.Tensor   # sum of the per-target losses
     units: torch.Tensor   # what throughput counts: real tokens, or samples
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # `Task.step_metrics`, summed over the targets
 
 
 class Task:
@@ -62,6 +63,7 @@ class Task:
     metric_name: str                                # the key of its score in every evaluation
     throughput_key: str                             # metrics.jsonl's name for units per second
     batch_size_options = "--per_device_batch_size"  # what shrinks one batch, for the too-little-data error
+    step_metrics: tuple[str, ...] = ()              # logged with each step, as means over its targets
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -83,6 +85,13 @@ class Task:
         """The model and the data, checked before the run writes anything; the
         backend decides whether every rank reads the weights."""
         raise NotImplementedError
+
+    def prepared(self, accelerator: Accelerator, backend: Backend) -> None:
+        """After `prepare`: lays out what the task keeps beside the trained model."""
+
+    def summary_facts(self) -> dict[str, Any]:
+        """What summary.json says of the task beyond the shared keys."""
+        return {}
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> "Scored":
         """The validation split built exactly as training builds it, for `finetune evaluate`."""
@@ -122,4 +131,8 @@ class Task:
 
 
 def build_task(cfg: TrainConfig) -> Task:
+    if cfg.method != "sft":  # preference pairs: the causal-LM task with another loss
+        from finetune.tasks.preference_lm import PreferenceLM
+
+        return PreferenceLM(cfg)
     return REGISTRY[cfg.task].load_class()(cfg)

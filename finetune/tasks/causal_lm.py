@@ -115,11 +115,15 @@ class CausalLM(Task):
         """Text blocks all have block_size tokens; SFT rows are padded per batch."""
         return None if data_format == "text" else PadCollator(pad_id(tokenizer))
 
-    def _raw_data(self) -> tuple[DatasetDict, str]:
+    def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
         cfg = self.cfg
-        raw, data_format = load_raw_data(cfg.dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
-                                         config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
+        raw, data_format = load_raw_data(cfg.dataset, data_format or cfg.data_format, cfg.text_column,
+                                         cfg.validation_split, cfg.seed, config=cfg.dataset_config,
+                                         split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          sample_by=cfg.text_sample_by)
+        if data_format == "preference" and cfg.method == "sft":
+            raise UsageError(f"--dataset {cfg.dataset} holds preference pairs (chosen/rejected), which --method sft "
+                             "does not train on; pass --method dpo (or simpo)")
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:

@@ -1,0 +1,165 @@
+"""Preference pairs for DPO and SimPO, in TRL's formats (detected from the columns):
+
+- standard: `prompt`, `chosen`, `rejected` as strings;
+- conversational: `prompt` a list of messages, `chosen` / `rejected` lists of
+  assistant messages;
+- implicit prompt: no `prompt`; `chosen` / `rejected` whole conversations
+  whose shared leading messages are the prompt.
+
+Each side becomes one sequence, prompt then completion, rendered as SFT renders
+it (chat/chat_template for messages, plain text plus the end-of-text token for
+strings) with labels on the completion only: its answers and their end-of-turn
+tokens. A training row holds both sides; `PairCollator` stacks a batch's chosen
+sequences, then its rejected ones, for one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+from finetune.data.chat import EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, check_messages, well_formed_messages
+from finetune.errors import UsageError
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclass
+class PairStats:
+    pairs: int = 0
+    truncated: int = 0
+    dropped_long_prompt: int = 0
+    dropped_long: int = 0
+    dropped_no_target: int = 0
+
+    def describe(self) -> str:
+        notes = [f"{self.truncated} truncated" if self.truncated else "",
+                 f"{self.dropped_long_prompt} with a prompt over --max_prompt_length dropped"
+                 if self.dropped_long_prompt else "",
+                 f"{self.dropped_long} longer than --block_size dropped" if self.dropped_long else "",
+                 f"{self.dropped_no_target} dropped with no completion token left" if self.dropped_no_target else ""]
+        notes = [n for n in notes if n]
+        return f"{self.pairs} pairs" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _nonempty_string(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def split_pair(row: dict, where: str) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected): three strings, or a list of messages and two
+    lists of completion messages. Refuses a row that is neither, names it."""
+    prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+    if all(isinstance(v, str) for v in (chosen, rejected)):
+        if not all(_nonempty_string(v) for v in (prompt, chosen, rejected)):
+            empty = [name for name, v in (("prompt", prompt), *zip(SIDES, (chosen, rejected)))
+                     if not _nonempty_string(v)]
+            raise UsageError(f"{where}: {' and '.join(empty)} must be non-empty strings; fix that pair or drop it")
+    elif prompt is None:  # implicit prompt: the conversations' shared leading messages
+        chosen, rejected = (check_messages(side, f"{where} ({name})") for name, side in zip(SIDES, (chosen, rejected)))
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        if not prompt or not chosen or not rejected:
+            raise UsageError(f"{where}: chosen and rejected share no leading prompt message, or one of them is "
+                             "nothing but that prompt; give the pair a prompt column, or fix it")
+    else:
+        if not isinstance(prompt, list) or not prompt:
+            raise UsageError(f"{where}: the prompt must be a string or a non-empty list of messages, got "
+                             f"{repr(prompt)[:60]}; fix that pair")
+        prompt = well_formed_messages(prompt, where)
+        chosen, rejected = (check_messages(side, f"{where} ({name})") if isinstance(side, list) else side
+                            for name, side in zip(SIDES, (chosen, rejected)))
+        if not all(isinstance(side, list) for side in (chosen, rejected)):
+            raise UsageError(f"{where}: with a prompt of messages, chosen and rejected must be lists of messages; "
+                             "fix that pair")
+    if chosen == rejected:
+        raise UsageError(f"{where}: chosen and rejected are the same, so there is no preference to learn; fix that "
+                         "pair or drop it")
+    return prompt, chosen, rejected
+
+
+class PairEncoder:
+    """Token ids and completion labels of each side of a pair."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.messages = ChatEncoder(tokenizer, "chat", train_on_prompt=False)
+        self.strings = ChatEncoder(tokenizer, "prompt_completion", train_on_prompt=False)
+
+    def encode(self, row: dict, index: int) -> dict[str, list[int]]:
+        where = f"example {row.get(EXAMPLE_NUMBER, index + 1)}"
+        prompt, chosen, rejected = split_pair(row, where)
+        out = {}
+        for name, completion in zip(SIDES, (chosen, rejected)):
+            if isinstance(prompt, str):
+                encoded = self.strings.encode({"prompt": prompt, "completion": completion, EXAMPLE_NUMBER: index + 1},
+                                              index)
+            else:
+                encoded = self.messages.encode_messages(prompt + completion, where,
+                                                        first_answer=sum(m["role"] == "assistant" for m in prompt))
+            out[f"{name}_input_ids"], out[f"{name}_labels"] = encoded.input_ids, encoded.labels
+        return out
+
+
+def prompt_length(labels: list[int]) -> int:
+    return next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
+
+
+def fit_pair(pair: dict, block_size: int, max_prompt_length: int, long_examples: str, stats: PairStats) -> dict | None:
+    """The pair cut to `block_size` (or None, counted, when it is dropped)."""
+    if max_prompt_length and max(prompt_length(pair[f"{s}_labels"]) for s in SIDES) > max_prompt_length:
+        stats.dropped_long_prompt += 1
+        return None
+    if max(len(pair[f"{s}_input_ids"]) for s in SIDES) > block_size:
+        if long_examples == "drop":
+            stats.dropped_long += 1
+            return None
+        pair = {key: value[:block_size] for key, value in pair.items()}
+        stats.truncated += 1
+    if any(all(label == IGNORE for label in pair[f"{s}_labels"][1:]) for s in SIDES):
+        stats.dropped_no_target += 1
+        return None
+    return pair
+
+
+def build_pair_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int, max_prompt_length: int,
+                      long_examples: str, num_proc: int = 0) -> tuple[DatasetDict, str]:
+    """A row per pair for every split, and a one-line description of them."""
+    encoder = PairEncoder(tokenizer)
+    out, notes = {}, []
+    for name, split in raw.items():
+        def encode(batch, indices):
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
+            return {key: [e[key] for e in encoded] for key in encoded[0]} if encoded else {}
+
+        tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names,
+                           desc=f"rendering {name} preference pairs", num_proc=num_proc or None)
+        stats = PairStats()
+        kept = [pair for row in tokens
+                if (pair := fit_pair(row, block_size, max_prompt_length, long_examples, stats)) is not None]
+        stats.pairs = len(kept)
+        if not kept:
+            raise UsageError(f"no {name} pair is left after fitting to --block_size {block_size} "
+                             f"({stats.describe()}); raise --block_size (or --max_prompt_length)")
+        out[name] = Dataset.from_list(kept)
+        notes.append(f"{name}: {stats.describe()}")
+    return DatasetDict(out), "; ".join(notes)
+
+
+class PairCollator:
+    """A batch of B pairs as 2B padded sequences: the chosen sides, then the rejected."""
+
+    def __init__(self, pad_id: int):
+        self.pad = PadCollator(pad_id)
+
+    def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"],
+                 "position_ids": list(range(len(pair[f"{side}_input_ids"])))}
+                for side in SIDES for pair in pairs]
+        return self.pad(rows)
