@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
-                             PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+                             PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
                              TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
@@ -280,6 +280,10 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--peft", choices=PEFT_METHODS, default="none",
                         help="lora: a frozen base (weights only) and trainable adapters; qlora: the same with the "
                              "adapted base weights in 4 bits (default: 'none')")
+    memory.add_argument("--method", choices=TRAINING_METHODS, default="sft",
+                        help="as for train: dpo and simpo run each pair's two sequences through one forward (twice "
+                             "the activations, full logits); dpo without LoRA adds a frozen reference, laid out as "
+                             "the parameters are (default: 'sft')")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
                         help=f"as for train (default: {TrainConfig().lora_r})")
     memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
@@ -443,13 +447,20 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, method, num_processes)
     ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
+    reference_copy = args.method == "dpo" and not method.saves_adapters
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes, ram_efficient_loading)
+                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method != "sft",
+                         reference_copy=reference_copy)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
     # final save, which gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
+    if reference_copy:
+        from finetune.backends import REGISTRY as BACKENDS
+
+        refusing = ", ".join(b.__name__ for b in BACKENDS if b.frozen_model_refusal)
+        print(f"\nNo {refusing} rows: they hold no frozen reference model (DPO with LoRA runs there).")
     if args.accelerate_config:
         print(f"\n{args.accelerate_config} runs: {launch.strategy}")
     return 0

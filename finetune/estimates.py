@@ -53,6 +53,7 @@ class Estimate:
     no_peak_rss: str = "GPU only"  # what the table says where peak_rss is None
     sharded: bool = True  # each rank holds a share of the state (with more than one process)
     cpu_calibrated: bool = False  # a CPU run's peak_rss is predicted (calibrated against measured runs)
+    reference: int = 0  # DPO's frozen reference model (no gradients, no optimizer state)
 
     @property
     def state(self) -> int:
@@ -60,7 +61,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.gathered + self.activations
+        return self.state + self.reference + self.gathered + self.activations
 
 
 def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,

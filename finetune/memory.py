@@ -173,11 +173,17 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
 
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
-             ram_efficient_loading: bool = True) -> list[Estimate]:
+             ram_efficient_loading: bool = True, pairs: bool = False,
+             reference_copy: bool = False) -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     under adapters stays so; trainable parameters are fp32 under mixed precision
-    (Accelerate upcasts them) and adapters always are (the adapter library upcasts them)."""
+    (Accelerate upcasts them) and adapters always are (the adapter library upcasts them).
+    `pairs`: a preference method's batch, two sequences a pair, through the full
+    logits; `reference_copy`: DPO's frozen reference beside the parameters
+    (the backends that refuse one have no rows then)."""
     n = num_processes
+    if pairs:
+        batch, loss_chunk_size = 2 * batch, 0
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
     inputs = PlanInputs(
@@ -189,8 +195,11 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         # Gathered copies: two units (the current one and the prefetched next one).
         gather_units=min(2 * shape.largest_unit, p) * compute if n > 1 else 0,
         frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n))
-    estimates = [row for backend in BACKENDS for row in backend.plan(inputs)]
+    usable = [b for b in BACKENDS if not (reference_copy and b.frozen_model_refusal)]
+    estimates = [row for backend in usable for row in backend.plan(inputs)]
     for e in estimates:
+        if reference_copy and e.params:  # held in the weights' dtype, sharded (or offloaded) as the parameters are
+            e.reference = weight_bytes * (-(-p // n) if e.sharded and n > 1 else p)
         if e.cpu_calibrated:
             sharded = n > 1 and e.sharded
             load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main
@@ -206,11 +215,15 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
              f"{shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
              "| strategy | params | grads | AdamW state | gathered units | activations | total | peak RSS, CPU run | fits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if any(e.reference for e in estimates):  # DPO's frozen reference, a column of its own
+        lines[-2:] = [line.replace(" activations |", " activations | frozen reference |").replace(
+            "| --- | --- | --- | --- | --- | --- |", "| --- | --- | --- | --- | --- | --- | --- |", 1) for line in lines[-2:]]
     for e in estimates:
         fits = "-" if device_memory is None else ("yes" if e.total <= device_memory else "no")
         rss = e.no_peak_rss if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
+        reference = f" {e.reference:,} |" if e.reference else ""
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
-                     f"{e.activations:,} | {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
+                     f"{e.activations:,} |{reference} {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
     if host is not None:
         lines += ["", f"Host RAM per rank above the runtime ({RUNTIME_BYTES:,}): loading the weights "
                       f"{host.load_main:,} on the main process, {host.load_other:,} on each other ({host.loading}); "

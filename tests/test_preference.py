@@ -241,6 +241,13 @@ def test_the_reference_is_sharded_or_is_the_base_without_adapters(learnt):
     total = full["total_params"]
     assert full["reference_params_per_rank"] == full["local_params_per_rank"]
     assert all(abs(n - total / 2) < 0.01 * total for n in full["reference_params_per_rank"])
+    # What estimate-memory --method dpo plans for the reference on each rank (fp32 weights).
+    from finetune.memory import estimate, model_shape
+
+    planned = {e.strategy: e for e in estimate(model_shape(full["model"]), 2, 4, 64, mixed_precision="no",
+                                               pairs=True, reference_copy=True)}
+    assert planned["FSDP full shard"].reference == 4 * max(full["reference_params_per_rank"])
+    assert planned["DDP"].reference == 4 * total and not any("ZeRO" in name for name in planned)
     assert lora["reference"] == "the base, adapters off" and lora["reference_params_per_rank"] is None
     # No second copy under LoRA: what each rank holds is LoRA SFT's.
     for dpo_bytes, sft_bytes in zip(lora["state_bytes_per_rank"], sft["state_bytes_per_rank"]):
