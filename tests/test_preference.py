@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import check_ok, read_jsonl, run_cli, run_in_process, train_rows
+from conftest import check_ok, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder, split_pair
 from finetune.errors import UsageError
@@ -189,7 +189,8 @@ def learnt(models, tmp_path_factory, env) -> dict[str, Path]:
     data = data_dir(root / "data", conversational=True, train=96, validation=32)
     sft_data = write_jsonl(root / "sft.jsonl", [{"messages": r["prompt"] + r["chosen"]}
                                                 for r in read_jsonl(data / "train.jsonl")])
-    common = ["--model", policy, *QUIET, "--max_steps", "16", "--warmup_steps", "0", "--checkpoint_every", "8"]
+    common = ["--model", policy, *QUIET, "--max_steps", "16", "--warmup_steps", "0", "--lr_scheduler_type", "constant",
+              "--checkpoint_every", "8"]
     runs = {"full": ["--method", "dpo", "--dataset", data, "--learning_rate", "3e-3"],
             "lora": ["--method", "dpo", "--peft", "lora", "--dataset", data, "--learning_rate", "3e-2"],
             "lora-sft": ["--peft", "lora", "--dataset", sft_data, "--learning_rate", "3e-2"]}
@@ -265,6 +266,41 @@ def test_a_dpo_run_resumes_exactly(learnt, tmp_path, env):
     for step in resumed:
         for name in ("loss", "rewards/margins", "logps/chosen"):
             assert resumed[step][name] == pytest.approx(uninterrupted[step][name], abs=1e-6), (step, name)
+
+
+def test_ddp_and_zero_3_take_the_same_steps(learnt, tmp_path, env):
+    """Full DPO under DDP (a whole frozen reference on each rank) and LoRA DPO
+    under ZeRO-3 (the reference: the partitioned base, adapters off) log the
+    FSDP runs' first steps; a frozen copy under DeepSpeed is one line."""
+    args = [*json_args(learnt, "full"), "--max_steps", "4"]
+    lora = [*json_args(learnt, "lora"), "--max_steps", "4"]
+    ddp, zero3 = run_cli_together([(["train", *args, "--output_dir", tmp_path / "ddp"],
+                                    dict(config="ddp.yaml", mixed_precision="no")),
+                                   (["train", *lora, "--output_dir", tmp_path / "zero3"], dict(config="zero3.yaml"))],
+                                  env)
+    for proc, run_dir, fsdp in ((ddp, tmp_path / "ddp", learnt["full"]), (zero3, tmp_path / "zero3", learnt["lora"])):
+        check_ok(proc)
+        steps, expected = ({r["step"]: r for r in train_rows(d)} for d in (run_dir, fsdp))
+        assert sorted(steps) == [1, 2, 3, 4]
+        for step in steps:
+            for name in ("loss", "rewards/chosen", "rewards/rejected"):
+                assert steps[step][name] == pytest.approx(expected[step][name], rel=1e-4, abs=1e-5), (run_dir, step)
+    refused = run_cli(["train", *args, "--output_dir", tmp_path / "zero2"], env, config="zero2.yaml")
+    errors = [line for line in refused.stderr.splitlines() if "error: " in line]
+    # rank 0's line, and no rank's traceback (torchrun's launcher adds its own report of the failed ranks)
+    assert refused.returncode != 0 and len(errors) == 1 and "]: Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "needs a frozen reference model: a frozen reference model under DeepSpeed" in errors[0]
+    assert not (tmp_path / "zero2").exists()
+
+
+def json_args(learnt: dict, name: str) -> list[str]:
+    """The options a learnt run was started with, from its run_config.yaml."""
+    import yaml
+
+    config = yaml.safe_load((learnt[name] / "run_config.yaml").read_text())
+    keep = ("model", "method", "peft", "dataset", "block_size", "per_device_batch_size", "learning_rate",
+            "lr_scheduler_type", "warmup_steps", "sample_prompt", "log_format")
+    return [str(part) for key in keep if key in config for part in (f"--{key}", config[key])]
 
 
 # --- bad input ------------------------------------------------------------------------------------
