@@ -658,7 +658,7 @@ def test_bad_input_under_accelerate_launch_is_one_line_from_one_rank(case, tmp_p
     assert "[rank" not in output and package not in output, output[-3000:]  # no worker traceback
     assert proc.returncode != 0
     if early:
-        assert seconds < 20, seconds
+        assert seconds < 40, seconds  # a launch alone: ~7 s, up to ~15 s beside the suite's other worker
 
 
 @pytest.mark.slow
