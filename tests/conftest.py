@@ -32,7 +32,8 @@ CONFIGS = REPO / "accelerate_configs"
 # would leave the other worker idle for minutes. Roughly longest first (seconds
 # on 2 cores); the rest keep their order.
 LONGEST_FILES = ["test_large_models.py", "test_deepspeed.py", "test_configs.py", "test_cnn.py", "test_resume.py",
-                 "test_memory_planner.py", "test_trust.py", "test_lora.py", "test_quickstart.py", "test_errors.py"]
+                 "test_memory_planner.py", "test_trust.py", "test_lora.py", "test_preference.py", "test_quickstart.py",
+                 "test_errors.py"]
 
 
 def pytest_collection_modifyitems(items):
