@@ -43,7 +43,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
 PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}
 # Options that only one method reads, refused on the command line for the others (as LoRA's are).
 METHOD_OPTIONS = {"dpo_beta": ("dpo", "simpo"), "max_prompt_length": ("dpo", "simpo"), "dpo_loss": ("dpo",),
-                  "reference_model": ("dpo",), "simpo_gamma": ("simpo",)}
+                  "reference_model": ("dpo",), "precompute_reference": ("dpo",), "simpo_gamma": ("simpo",)}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
@@ -163,6 +163,9 @@ class TrainConfig:
                                   "(0 = any prompt that leaves room in --block_size)")
     reference_model: str = _opt("", "dpo: the frozen reference, a HF model dir or Hub id (empty: the starting model, "
                                 "--model)")
+    precompute_reference: bool = _opt(False, "dpo: the reference's log-probs of every pair computed in one pass before "
+                                      "training and cached with the data (reused by a resume and by later runs on "
+                                      "the same pairs and reference); no reference is held while training")
     lora_r: int = _opt(8, "LoRA rank")
     lora_alpha: float = _opt(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r")
     lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")

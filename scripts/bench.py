@@ -8,6 +8,7 @@ markdown table and JSON.
     python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small] [--baseline_ref REF]
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
     python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]
+    python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -87,6 +88,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -575,6 +577,91 @@ def suite_lora(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def preference_model_and_pairs(args, root: Path, count: int = 256) -> tuple[Path, Path]:
+    """The built-in preference pairs as strings (question, its docstring answer,
+    another function's), and a model dir both tools start from: --model's, or
+    the preset built from seed 42 with a tokenizer trained on the pairs."""
+    import torch
+
+    from finetune import models
+    from finetune.data.builtin import build_stdlib_preferences
+    from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
+    from finetune.presets import GPT2_PRESETS
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in build_stdlib_preferences().read_text().splitlines()[:count]]
+    pairs = [{"prompt": r["prompt"][0]["content"] + "\n", "chosen": r["chosen"][0]["content"],
+              "rejected": r["rejected"][0]["content"]} for r in rows]
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    if args.model not in GPT2_PRESETS:
+        return model_source(args.model), data
+    model_dir = root / "model"
+    save_bpe_tokenizer(Dataset.from_list(pairs), GPT2_PRESETS[args.model]["vocab_size"], model_dir)
+    tokenizer = load_preset_tokenizer(model_dir, args.model)
+    torch.manual_seed(42)
+    models.build_gpt2(models.gpt2_config(GPT2_PRESETS[args.model], tokenizer.bos_token_id,
+                                         tokenizer.eos_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, data
+
+
+def suite_dpo(args) -> tuple[list[dict], str]:
+    """Full DPO, 2 processes under fsdp.yaml, same model, pairs, batch and
+    steps: our loop (reference sharded as the policy; and with the reference
+    precomputed) against TRL's DPOTrainer (`pip install trl`, a bench-only
+    dependency) under the same launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = preference_model_and_pairs(args, Path(tmp))
+        ours_args = ["--model", str(model_dir), "--dataset", str(data), "--method", "dpo", "--max_steps", str(args.steps),
+                     "--block_size", str(args.block_size), "--per_device_batch_size", str(args.batch),
+                     "--max_eval_batches", "1", "--sample_prompt", ""]
+
+        def run_case(case: str, round_index: int) -> dict:
+            print(f"[bench] {case}, fsdp.yaml, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{case.replace(' ', '-')}-{round_index}"
+            if case.startswith("TRL"):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_dpo.py"), str(model_dir), str(data),
+                       str(run_dir), str(args.batch), str(args.steps), str(args.block_size), args.mixed_precision]
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
+                if proc.returncode != 0:
+                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
+                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
+                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks]}
+            extra = ["--precompute_reference"] if "precomputed" in case else []
+            launch("fsdp.yaml", 2, [*ours_args, *extra, "--output_dir", str(run_dir)], args.mixed_precision)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            return {"case": case, **measure(run_dir), "reference_params_per_rank": summary["reference_params_per_rank"]}
+
+        cases = ["finetune DPO", "finetune DPO, precomputed reference", "TRL DPOTrainer"]
+        results = fastest_rounds(cases, run_case, args.rounds)
+    ours = results[0]
+    pairs_per_step = 2 * args.batch
+    tokens_per_pair = ours["tokens_per_sec"] * ours["step_time_s"] / pairs_per_step
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} pairs of the built-in preference set as "
+             f"strings (at most {args.block_size} tokens a sequence), fsdp.yaml, {args.mixed_precision}, "
+             f"fastest of {args.rounds} round(s); memory in bytes per rank", "",
+             "| case | step time (s) | pairs/s | tokens/s | peak memory per rank | vs TRL (pairs/s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    trl = results[-1]
+    for r in results:
+        if r.get("failed"):
+            lines.append(f"| {r['case']} | failed: {r['failed']} | | | | |")
+            continue
+        pairs_per_sec = pairs_per_step / r["step_time_s"]
+        versus = (f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-")
+        lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {pairs_per_sec:.1f} | "
+                     f"{pairs_per_sec * tokens_per_pair:,.0f} | "
+                     f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {versus} |")
+    lines += ["", "tokens/s: pairs/s times the tokens of a pair as our run counted them (prompt twice, both completions); "
+                  "step time: the median, between step ends, after the first steps"]
+    return results, "\n".join(lines)
+
+
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
@@ -637,7 +724,7 @@ def suite_startup(args) -> tuple[list[dict], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora"], default=None,
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo"], default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
@@ -662,7 +749,7 @@ def main() -> None:
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora}
+              "lora": suite_lora, "dpo": suite_dpo}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)

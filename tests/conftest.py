@@ -62,21 +62,24 @@ def env(cache_dir) -> dict:
 
 
 @pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory, env) -> Path:
-    """About 120 kB of the built-in corpus as a .txt file, a paragraph per document: real text, quick to tokenize."""
+def small_corpus(tmp_path_factory, worker_id, env) -> Path:
+    """About 120 kB of the built-in corpus as a .txt file, a paragraph per document: real text, quick to tokenize.
+    One file for both workers: the runs made once (checkpointed_run) recorded its path."""
     from finetune.data.builtin import build_stdlib_corpus
 
     os.environ["FINETUNE_CACHE"] = env["FINETUNE_CACHE"]
-    docs = [json.loads(line)["text"].replace("\n", " ") for line in build_stdlib_corpus().read_text().splitlines()]
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    text, size = [], 0
-    for doc in docs:
-        text.append(doc)
-        size += len(doc)
-        if size > 120_000:
-            break
-    path.write_text("\n\n".join(text) + "\n")  # a paragraph per document
-    return path
+
+    def write(root: Path) -> None:
+        docs = [json.loads(line)["text"].replace("\n", " ") for line in build_stdlib_corpus().read_text().splitlines()]
+        text, size = [], 0
+        for doc in docs:
+            text.append(doc)
+            size += len(doc)
+            if size > 120_000:
+                break
+        (root / "corpus.txt").write_text("\n\n".join(text) + "\n")  # a paragraph per document
+
+    return made_once(tmp_path_factory, worker_id, "data", write) / "corpus.txt"
 
 
 def launch_options(nproc: int, config: str, mixed_precision: str | None, extra_launch: Sequence[str]) -> list[str]:

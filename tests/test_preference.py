@@ -95,7 +95,9 @@ def test_pairs_are_labelled_on_the_completion_only_and_stacked_chosen_first(mode
         assert answer == row[side][0]["content"] + "<|im_end|>"
         rendered = tokenizer.apply_chat_template(row["prompt"] + row[side], tokenize=False)
         assert tokenizer.decode(ids) == rendered
-    batch = PairCollator(tokenizer.pad_token_id)([encoded, encoder.encode(pairs(2, 4, True)[1], 1)])
+    batch = PairCollator(tokenizer.pad_token_id)([{**encoded, "pair": 0}, {**encoder.encode(pairs(2, 4, True)[1], 1),
+                                                                          "pair": 1}])
+    assert batch["pair"].tolist() == [0, 1]
     assert batch["input_ids"].shape[0] == 4
     first = torch.tensor(encoded["chosen_input_ids"])
     assert torch.equal(batch["input_ids"][0, :len(first)], first)
@@ -291,6 +293,24 @@ def test_ddp_and_zero_3_take_the_same_steps(learnt, tmp_path, env):
     assert refused.returncode != 0 and len(errors) == 1 and "]: Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "needs a frozen reference model: a frozen reference model under DeepSpeed" in errors[0]
     assert not (tmp_path / "zero2").exists()
+
+
+def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(learnt, tmp_path, env):
+    """--precompute_reference: one pass before training, cached; full and LoRA
+    DPO then log the steps of the runs that held a reference, and hold none."""
+    full, lora = ([*json_args(learnt, name), "--max_steps", "4", "--precompute_reference"] for name in ("full", "lora"))
+    first = [run_cli(["train", *args, "--output_dir", tmp_path / name], env, mixed_precision="no", warm=True)
+             for args, name in ((full, "full"), (lora, "lora"))]
+    # The full run scores the pairs; the LoRA run's reference (the base, adapters off) is the same model: it reads them.
+    for proc, name, says in zip(first, ("full", "lora"), ("computed once, cached in", "read from")):
+        check_ok(proc)
+        assert f"reference log-probs of 128 pairs {says}" in proc.stdout, proc.stdout[-2000:]
+        steps, expected = ({r["step"]: r for r in train_rows(d)} for d in (tmp_path / name, learnt[name]))
+        assert sorted(steps) == [1, 2, 3, 4]
+        for step in steps:
+            for metric in ("loss", "rewards/chosen", "rewards/rejected"):
+                assert steps[step][metric] == pytest.approx(expected[step][metric], rel=1e-4, abs=1e-5), (name, step)
+        assert json.loads((tmp_path / name / "summary.json").read_text())["reference_params_per_rank"] is None
 
 
 def json_args(learnt: dict, name: str) -> list[str]:

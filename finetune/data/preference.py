@@ -131,7 +131,7 @@ def build_pair_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, bloc
                       long_examples: str, num_proc: int = 0) -> tuple[DatasetDict, str]:
     """A row per pair for every split, and a one-line description of them."""
     encoder = PairEncoder(tokenizer)
-    out, notes = {}, []
+    out, notes, numbered = {}, [], 0
     for name, split in raw.items():
         def encode(batch, indices):
             rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -147,7 +147,9 @@ def build_pair_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, bloc
         if not kept:
             raise UsageError(f"no {name} pair is left after fitting to --block_size {block_size} "
                              f"({stats.describe()}); raise --block_size (or --max_prompt_length)")
-        out[name] = Dataset.from_list(kept)
+        # Each pair's number across the splits: where its precomputed reference log-probs are.
+        out[name] = Dataset.from_list([{**pair, "pair": numbered + i} for i, pair in enumerate(kept)])
+        numbered += len(kept)
         notes.append(f"{name}: {stats.describe()}")
     return DatasetDict(out), "; ".join(notes)
 
@@ -162,4 +164,4 @@ class PairCollator:
         rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"],
                  "position_ids": list(range(len(pair[f"{side}_input_ids"])))}
                 for side in SIDES for pair in pairs]
-        return self.pad(rows)
+        return {**self.pad(rows), "pair": torch.tensor([pair["pair"] for pair in pairs])}

@@ -86,7 +86,7 @@ class Task:
         backend decides whether every rank reads the weights."""
         raise NotImplementedError
 
-    def prepared(self, accelerator: Accelerator, backend: Backend) -> None:
+    def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         """After `prepare`: lays out what the task keeps beside the trained model."""
 
     def summary_facts(self) -> dict[str, Any]:

@@ -11,6 +11,10 @@ policy and the reference then agree, and the DPO loss is ln 2.
 
 from __future__ import annotations
 
+import gc
+import hashlib
+import json
+import os
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -18,10 +22,13 @@ from typing import Any, Callable
 import torch
 from accelerate import Accelerator
 from datasets import DatasetDict
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
 from finetune.backends.base import Backend, shard_report
+from finetune.collectives import broadcast_from_main
+from finetune.data.builtin import cache_root
 from finetune.data.chat import load_chat_template, pad_id
 from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
@@ -51,6 +58,9 @@ class PreferenceLM(CausalLM):
         self.reference: torch.nn.Module | None = None  # a frozen copy (full fine-tuning under DPO)
         self.reference_params_per_rank: list[int] = []
         self.accelerator: Accelerator | None = None
+        self.splits: list = []                                  # the pair splits, numbered across (`pair`)
+        self.reference_table: torch.Tensor | None = None        # [pairs, 2] precomputed reference log-probs
+        self.cached_table: Path | None = None                    # where they are cached
 
     def targets(self, batch: dict) -> int:
         return len(batch["input_ids"]) // 2  # pairs
@@ -63,7 +73,10 @@ class PreferenceLM(CausalLM):
         self.accelerator = accelerator
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)
-        if copy_needed:
+        self.splits = [data.train, data.validation]
+        if self.cfg.precompute_reference:
+            self.cached_table, self.reference_table = cached_reference(self, accelerator, model)
+        if copy_needed and self.reference_table is None:
             self.reference = self._reference_model(data.tokenizer, model_config(model).vocab_size)
         return model, data
 
@@ -84,16 +97,25 @@ class PreferenceLM(CausalLM):
         without_dropout(reference)
         return reference
 
-    def prepared(self, accelerator: Accelerator, backend: Backend) -> None:
+    def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         if self.reference is not None:
             self.reference = backend.prepare_frozen(accelerator, self.reference)
             self.reference_params_per_rank = shard_report(self.reference, accelerator).local_params_per_rank
+        if self.cfg.precompute_reference and self.reference_table is None:
+            self.reference_table = precompute_reference(self, accelerator, model)
+        if self.reference_table is not None:  # training holds no reference
+            self.reference, self.reference_params_per_rank = None, []
+            gc.collect()
 
     def summary_facts(self) -> dict[str, Any]:
-        return {"reference": ("the base, adapters off" if self.objective.needs_reference and self.reference is None
-                              else self.cfg.reference_model or self.cfg.model) if self.objective.needs_reference
-                else None,
-                "reference_params_per_rank": self.reference_params_per_rank or None}
+        """Which reference the run compared with, and its parameters on each rank while training."""
+        if not self.objective.needs_reference:
+            reference = None
+        else:
+            reference = "the base, adapters off" if self.method.saves_adapters else self.cfg.reference_model or self.cfg.model
+            if self.reference_table is not None:
+                reference = f"log-probs precomputed by {reference}, {self.cached_table}"
+        return {"reference": reference, "reference_params_per_rank": self.reference_params_per_rank or None}
 
     # --- data -------------------------------------------------------------------------------------
 
@@ -134,7 +156,10 @@ class PreferenceLM(CausalLM):
     def _pair_losses(self, model, batch: dict) -> PairLosses:
         policy = self._pair_logps(model, batch)
         reference = None
-        if self.objective.needs_reference:
+        if self.reference_table is not None:
+            known = self.reference_table[batch["pair"].cpu()].to(policy.chosen)
+            reference = PairLogps(known[:, 0], known[:, 1], policy.chosen_tokens, policy.rejected_tokens)
+        elif self.objective.needs_reference:
             with torch.no_grad():
                 reference = self._reference_logps(model, batch)
         return self.objective(policy, reference)
@@ -179,3 +204,84 @@ class PreferenceLM(CausalLM):
         means = (sums / max(pairs, 1)).tolist()
         return {"eval_loss": means[0], **{f"eval_{name}": value for name, value in zip(METRICS, means[1:])}}
 
+
+
+def cached_reference(task: PreferenceLM, accelerator: Accelerator, model) -> tuple[Path, torch.Tensor | None]:
+    """Where these pairs' reference log-probs are cached, and them when they are."""
+    from safetensors.torch import load_file
+
+    key = _cache_key(task, accelerator, model) if accelerator.is_main_process else None
+    key = broadcast_from_main(key) if accelerator.num_processes > 1 else key  # one verdict for every rank
+    path = cache_root() / "reference_logps" / f"{key}.safetensors"
+    pairs = sum(len(split) for split in task.splits)
+    if path.is_file():
+        try:
+            table = load_file(str(path))["logps"]
+        except Exception:  # noqa: BLE001  (a damaged cache file is scored again)
+            table = None
+        if table is not None and table.shape == (pairs, 2):
+            accelerator.print(f"reference log-probs of {pairs} pairs read from {path}")
+            return path, table
+    return path, None
+
+
+def precompute_reference(task: PreferenceLM, accelerator: Accelerator, model: torch.nn.Module) -> torch.Tensor:
+    """[pairs, 2]: the reference's summed log-probs of each pair's chosen and
+    rejected completion, by pair number. Every rank scores every world_size-th
+    pair (a forward is collective: the same number of batches each), the scores
+    are gathered, and the main process caches them."""
+    from safetensors.torch import save_file
+
+    pairs = [pair for split in task.splits for pair in split]
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, len(pairs), world))
+    per_rank = -(-len(pairs) // world)
+    mine += [mine[-1] if mine else 0] * (per_rank - len(mine))  # padding: as many forwards on every rank
+    size = task.cfg.per_device_eval_batch_size or task.cfg.per_device_batch_size
+    collate = PairCollator(0)
+    scores = []
+    was_training = model.training
+    model.eval()
+    with tqdm(total=len(pairs), desc="reference log-probs", disable=not accelerator.is_main_process) as bar:
+        for start in range(0, per_rank, size):
+            batch = {k: v.to(accelerator.device) for k, v in collate([pairs[i] for i in mine[start:start + size]]).items()}
+            with torch.no_grad():
+                logps = task._reference_logps(model, batch)
+            scores.append(torch.stack([logps.chosen, logps.rejected], dim=1).float())
+            bar.update(min(size, per_rank - start) * world)
+    model.train(was_training)
+    gathered = accelerator.gather(torch.cat(scores)).cpu()  # rank-major: rank r's j-th is pair r + j * world
+    table = torch.empty(len(pairs), 2)
+    for r in range(world):
+        for j, i in enumerate(range(r, len(pairs), world)):
+            table[i] = gathered[r * per_rank + j]
+    if accelerator.is_main_process:
+        cached = task.cached_table
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        save_file({"logps": table.contiguous()}, str(tmp))
+        os.replace(tmp, cached)
+        accelerator.print(f"reference log-probs of {len(pairs)} pairs computed once, cached in {cached}")
+    return table
+
+
+def _cache_key(task: PreferenceLM, accelerator: Accelerator, model) -> str:
+    """What the scores depend on: the pairs' tokens and labels, the reference's
+    weights (a LoRA base's recorded fingerprint, or the reference's files, or
+    a preset's weights on the main process), and the precision."""
+    from finetune.peft.lora import base_fingerprint
+
+    cfg = task.cfg
+    if task.method.saves_adapters:
+        reference = task.method.base_record["fingerprint"]
+    elif cfg.reference_model and not Path(cfg.reference_model).exists():
+        reference = f"hub:{cfg.reference_model}"
+    else:
+        reference = base_fingerprint(cfg.reference_model or task.model_source, model)
+    digest = hashlib.sha256(json.dumps({"reference": reference, "dtype": cfg.model_dtype,
+                                        "mixed_precision": accelerator.mixed_precision}).encode())
+    for split in task.splits:
+        for pair in split:
+            digest.update(json.dumps([pair[f"{side}_{part}"] for side in ("chosen", "rejected")
+                                      for part in ("input_ids", "labels")]).encode())
+    return digest.hexdigest()[:32]

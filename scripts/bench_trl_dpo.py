@@ -1,0 +1,56 @@
+"""TRL's DPOTrainer on a model dir and a file of preference pairs, for
+`scripts/bench.py --suite dpo` (run under `accelerate launch`, as our runs
+are). Each rank writes its step times (between step ends, data loading
+included, as our loop logs them) and its peak resident set to OUT/rank-N.json.
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 \\
+        scripts/bench_trl_dpo.py MODEL_DIR PAIRS.jsonl OUT BATCH STEPS BLOCK_SIZE MIXED_PRECISION
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    model_dir, pairs, out, batch, steps, block_size, mixed_precision = sys.argv[1:]
+    out = Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.last = [], None
+
+        def on_step_end(self, *_, **__):
+            now = time.perf_counter()
+            if self.last is not None:
+                self.times.append(now - self.last)
+            self.last = now
+
+    timer = StepTimer()
+    config = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=int(batch), max_steps=int(steps),
+                       learning_rate=1e-6, beta=0.1, loss_type="sigmoid", max_length=int(block_size),
+                       bf16=mixed_precision == "bf16", use_cpu=True, report_to=[], save_strategy="no",
+                       logging_steps=int(steps), disable_tqdm=True, dataloader_drop_last=True, seed=42)
+    trainer = DPOTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=pairs)["train"],
+                         processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{rank}.json").write_text(json.dumps({
+        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+if __name__ == "__main__":
+    main()
