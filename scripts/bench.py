@@ -631,7 +631,9 @@ def suite_dpo(args) -> tuple[list[dict], str]:
                     return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
                 ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
                 step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
-                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks]}
+                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+                        "distributed_type": ranks[0]["distributed_type"],
+                        "local_params_per_rank": [r["local_params"] for r in ranks]}
             extra = ["--precompute_reference"] if "precomputed" in case else []
             launch("fsdp.yaml", 2, [*ours_args, *extra, "--output_dir", str(run_dir)], args.mixed_precision)
             summary = json.loads((run_dir / "summary.json").read_text())
@@ -645,16 +647,17 @@ def suite_dpo(args) -> tuple[list[dict], str]:
     lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} pairs of the built-in preference set as "
              f"strings (at most {args.block_size} tokens a sequence), fsdp.yaml, {args.mixed_precision}, "
              f"fastest of {args.rounds} round(s); memory in bytes per rank", "",
-             "| case | step time (s) | pairs/s | tokens/s | peak memory per rank | vs TRL (pairs/s) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| case | layout | step time (s) | pairs/s | tokens/s | peak memory per rank | vs TRL (pairs/s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     trl = results[-1]
     for r in results:
         if r.get("failed"):
-            lines.append(f"| {r['case']} | failed: {r['failed']} | | | | |")
+            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | | |")
             continue
         pairs_per_sec = pairs_per_step / r["step_time_s"]
         versus = (f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-")
-        lines.append(f"| {r['case']} | {r['step_time_s']:.3f} | {pairs_per_sec:.1f} | "
+        layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {pairs_per_sec:.1f} | "
                      f"{pairs_per_sec * tokens_per_pair:,.0f} | "
                      f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {versus} |")
     lines += ["", "tokens/s: pairs/s times the tokens of a pair as our run counted them (prompt twice, both completions); "

@@ -39,6 +39,8 @@ def main() -> None:
             self.last = now
 
     timer = StepTimer()
+    # FSDP comes from the launch. On a CPU-only machine Accelerate turns it into
+    # DDP (MULTI_CPU), whatever the Trainer is given: the table says which layout ran.
     config = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=int(batch), max_steps=int(steps),
                        learning_rate=1e-6, beta=0.1, loss_type="sigmoid", max_length=int(block_size),
                        bf16=mixed_precision == "bf16", use_cpu=True, report_to=[], save_strategy="no",
@@ -47,9 +49,12 @@ def main() -> None:
                          processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     rank = trainer.accelerator.process_index
+    # What the Trainer made of the launch: its distributed type, and how many parameters this rank holds.
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.json").write_text(json.dumps({
-        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "distributed_type": trainer.accelerator.distributed_type.value, "local_params": local}))
 
 
 if __name__ == "__main__":
