@@ -194,12 +194,13 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
                                                   loss_chunk_size=loss_chunk_size),
         # Gathered copies: two units (the current one and the prefetched next one).
         gather_units=min(2 * shape.largest_unit, p) * compute if n > 1 else 0,
-        frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n))
+        frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n),
+        # DPO's frozen reference, in the weights' dtype: each backend lays it out as its parameters
+        reference_whole=weight_bytes * p if reference_copy else 0,
+        reference_shard=weight_bytes * -(-p // n) if reference_copy else 0)
     usable = [b for b in BACKENDS if not (reference_copy and b.frozen_model_refusal)]
     estimates = [row for backend in usable for row in backend.plan(inputs)]
     for e in estimates:
-        if reference_copy and e.params:  # held in the weights' dtype, sharded (or offloaded) as the parameters are
-            e.reference = weight_bytes * (-(-p // n) if e.sharded and n > 1 else p)
         if e.cpu_calibrated:
             sharded = n > 1 and e.sharded
             load = host_ram(shape, n, sharded, ram_efficient_loading, weight_bytes).load_main

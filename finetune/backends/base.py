@@ -58,6 +58,8 @@ class PlanInputs:
     gather_units: int         # two gathered units in the compute dtype (0 on one process)
     frozen_whole: int         # the frozen base under adapters, whole
     frozen_shard: int         # and a rank's share of it
+    reference_whole: int = 0  # DPO's frozen reference model, whole (0 where there is none)
+    reference_shard: int = 0  # and a rank's share of it
 
 
 OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded optimizer

@@ -30,4 +30,4 @@ class DDP(Backend):
         t = p.shape.trainable or p.shape.params
         return [Estimate("DDP", p.frozen_whole + p.trained_bytes * t, p.trained_bytes * t, 2 * p.trained_bytes * t,
                          p.shape.params * 2 if p.mixed_precision == "bf16" else 0, p.activations,
-                         sharded=False, cpu_calibrated=True)]
+                         sharded=False, cpu_calibrated=True, reference=p.reference_whole)]

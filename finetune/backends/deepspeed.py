@@ -13,6 +13,8 @@ own zero_to_fp32.
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 from contextlib import contextmanager
@@ -147,9 +149,22 @@ class DeepSpeed(Backend):
             return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
         return InitProcessGroupKwargs(timeout=timeout)
 
-    frozen_model_refusal = ("a frozen reference model under DeepSpeed would need an engine of its own, which "
-                            "finetune does not build; pass --peft lora (the reference is then the base with the "
-                            "adapters off), or launch with `--config_file $(finetune configs --path fsdp)`")
+    def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+        """ZeRO-1/2 keep every parameter on every rank, and so does the reference.
+        Under ZeRO-3 transformers built it partitioned (zero.Init), like the
+        policy: an engine of its own, without optimizer, gathers its layers in
+        each forward."""
+        model = model.requires_grad_(False).eval()
+        if self.zero_stage(accelerator) != 3:
+            return model.to(accelerator.device)
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for trains in ("optimizer", "scheduler"):
+            config.pop(trains, None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # the engine's eval returns nothing
+        return engine
 
     def check_chosen(self, accelerator: Accelerator) -> None:
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
@@ -319,8 +334,8 @@ class DeepSpeed(Backend):
         model_bytes = 2 if p.mixed_precision == "bf16" else 4
         whole, part, optimizer = model_bytes * t, model_bytes * -(-t // n), 12 * -(-t // n)
         return [Estimate("DeepSpeed ZeRO-1", p.frozen_whole + whole, whole, optimizer, 0, p.activations,
-                         no_peak_rss="not calibrated"),
+                         no_peak_rss="not calibrated", reference=p.reference_whole),
                 Estimate("DeepSpeed ZeRO-2", p.frozen_whole + whole, part, optimizer, 0, p.activations,
-                         no_peak_rss="not calibrated"),
+                         no_peak_rss="not calibrated", reference=p.reference_whole),
                 Estimate("DeepSpeed ZeRO-3", p.frozen_shard + part, part, optimizer, p.gather_units, p.activations,
-                         no_peak_rss="not calibrated")]
+                         no_peak_rss="not calibrated", reference=p.reference_shard)]

@@ -228,10 +228,13 @@ class FSDP2(Backend):
         weights = p.frozen_shard + p.trained_bytes * trained
         grads, moments = p.trained_bytes * trained, 2 * p.trained_bytes * trained
         every_unit = p.shape.params * p.compute_bytes if p.num_processes > 1 else 0
-        return [Estimate("FSDP full shard", weights, grads, moments, p.gather_units, p.activations, cpu_calibrated=True),
-                Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, every_unit, p.activations, cpu_calibrated=True),
+        reference = p.reference_shard  # sharded as the parameters are (offloaded with them)
+        return [Estimate("FSDP full shard", weights, grads, moments, p.gather_units, p.activations, cpu_calibrated=True,
+                         reference=reference),
+                Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, every_unit, p.activations, cpu_calibrated=True,
+                         reference=reference),
                 Estimate("FSDP + activation checkpointing", weights, grads, moments, p.gather_units,
-                         p.checkpointed_activations, cpu_calibrated=True),
+                         p.checkpointed_activations, cpu_calibrated=True, reference=reference),
                 Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, p.gather_units, p.activations)]
 
 
@@ -254,9 +257,9 @@ class FSDP1(FSDP2):
     def after_prepare(self, model: torch.nn.Module) -> None:
         """FSDP1 takes no custom collectives."""
 
-    frozen_model_refusal = ("a frozen reference model is sharded under FSDP2 only; launch with "
-                            "`--config_file $(finetune configs --path fsdp)`, or pass --peft lora (the reference is "
-                            "then the base with the adapters off)")
+    frozen_model_refusal = ("finetune shards a frozen reference model under FSDP2 (and DeepSpeed), not FSDP1; "
+                            "launch with `--config_file $(finetune configs --path fsdp)`, or pass --peft lora (the "
+                            "reference is then the base with the adapters off)")
 
     def weights_from_main_process(self, accelerator: Accelerator) -> bool:
         return False
