@@ -358,13 +358,31 @@ def suite_configs(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def step_timer():
+    """A Trainer callback whose `times` are the seconds between step ends, data
+    loading included: what our loop logs as step_time_s."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.last = [], None
+
+        def on_step_end(self, *_, **__):
+            now = time.perf_counter()
+            if self.last is not None:
+                self.times.append(now - self.last)
+            self.last = now
+
+    return StepTimer()
+
+
 def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]:
     """The HF Trainer on the blocks our run trained on (same tokenizer, data,
     split, seed), the same model (a preset built from the seed, or --model's
     pretrained weights), batch, LR and steps; step times from a callback, so
     start-up and data preparation are not counted."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     from finetune import models
     from finetune.data.text import load_raw_text, tokenize_and_group
@@ -380,19 +398,7 @@ def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]
              else AutoModelForCausalLM.from_pretrained(model_source(args.model), dtype=torch.float32,
                                                        trust_remote_code=False))
 
-    class StepTimer(TrainerCallback):
-        """Time between step ends, data loading included: what our loop logs as step_time_s."""
-
-        def __init__(self):
-            self.times, self.last = [], None
-
-        def on_step_end(self, *_, **__):
-            now = time.perf_counter()
-            if self.last is not None:
-                self.times.append(now - self.last)
-            self.last = now
-
-    timer = StepTimer()
+    timer = step_timer()
     training_args = TrainingArguments(
         output_dir=str(run_dir / "trainer"), per_device_train_batch_size=args.batch * 2, max_steps=args.steps,
         learning_rate=1e-3, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="cosine",

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 
 
 def main() -> None:
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+
+    from bench import step_timer  # scripts/ is this script's dir, first on sys.path
 
     model_dir, pairs, out, batch, steps, block_size, mixed_precision = sys.argv[1:]
     out = Path(out)
@@ -28,17 +29,7 @@ def main() -> None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir)
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.last = [], None
-
-        def on_step_end(self, *_, **__):
-            now = time.perf_counter()
-            if self.last is not None:
-                self.times.append(now - self.last)
-            self.last = now
-
-    timer = StepTimer()
+    timer = step_timer()
     # FSDP comes from the launch. On a CPU-only machine Accelerate turns it into
     # DDP (MULTI_CPU), whatever the Trainer is given: the table says which layout ran.
     config = DPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=int(batch), max_steps=int(steps),
