@@ -27,17 +27,24 @@ CONFIGS = REPO / "accelerate_configs"
 
 
 # The suite runs on two workers, a test file each (scripts/test.sh: pytest-xdist,
-# --dist loadfile). Files are handed out in collection order, so the longest
-# ones go first and the short ones fill in at the end: started last, one of these
-# would leave the other worker idle for minutes. Roughly longest first (seconds
-# on 2 cores); the rest keep their order.
-LONGEST_FILES = ["test_large_models.py", "test_deepspeed.py", "test_configs.py", "test_cnn.py", "test_resume.py",
-                 "test_memory_planner.py", "test_trust.py", "test_lora.py", "test_preference.py", "test_quickstart.py",
-                 "test_errors.py"]
+# --dist loadfile), handed out in collection order:
+# - the 355 M model's file first, with the files that run in process beside it:
+#   they need little memory, and its resident-set bounds do not hold when the
+#   other worker's runs push its file pages out (a rank's rise read half its size);
+# - then the longest files, so that the short ones fill in at the end (started
+#   last, a long one would leave the other worker idle for minutes).
+# The rest keep their order.
+SCHEDULE = ["test_large_models.py",
+            "test_units.py", "test_mutations.py", "test_internals.py", "test_images.py", "test_loop.py",
+            "test_step_memory.py", "test_export.py", "test_logs.py", "test_sft.py", "test_fsdp_train.py",
+            "test_trainer_names.py",
+            "test_cnn.py", "test_memory_planner.py", "test_quickstart.py", "test_deepspeed.py", "test_trust.py",
+            "test_resume.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",
+            "test_errors.py"]
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    rank = {name: i for i, name in enumerate(SCHEDULE)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 

@@ -141,20 +141,28 @@ def completion_logps(model, tokenizer, prompt: str, completion: str) -> tuple[fl
     return sum(picked), len(picked)
 
 
-def independent_eval(policy_dir: Path, reference_dir: Path, rows: list[dict], beta: float, per_token: bool) -> dict:
+def independent_eval(policy_dir: Path, reference_dir: Path | None, rows: list[dict], beta: float, loss: str,
+                     gamma: float = 0.0) -> dict:
+    """Means over the pairs: DPO's sigmoid or ipo loss against `reference_dir`,
+    or SimPO's (no reference, margin `gamma`)."""
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    policy, reference = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (policy_dir, reference_dir))
+    models = {"policy": AutoModelForCausalLM.from_pretrained(policy_dir).eval()}
+    if reference_dir is not None:
+        models["reference"] = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
+    per_token = loss in ("ipo", "simpo")
     values = {k: [] for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen")}
     for row in rows:
-        scored = {}
+        scored = {("reference", side): 0.0 for side in ("chosen", "rejected")}
         for side in ("chosen", "rejected"):
-            for name, model in (("policy", policy), ("reference", reference)):
+            for name, model in models.items():
                 logp, count = completion_logps(model, tokenizer, row["prompt"], row[side])
                 scored[name, side] = logp / count if per_token else logp
         chosen = beta * (scored["policy", "chosen"] - scored["reference", "chosen"])
         rejected = beta * (scored["policy", "rejected"] - scored["reference", "rejected"])
         logits = (chosen - rejected) / beta
-        values["loss"].append((logits - 1 / (2 * beta)) ** 2 if per_token else math.log1p(math.exp(-beta * logits)))
+        values["loss"].append({"sigmoid": lambda: math.log1p(math.exp(-beta * logits)),
+                               "ipo": lambda: (logits - 1 / (2 * beta)) ** 2,
+                               "simpo": lambda: math.log1p(math.exp(-(beta * logits - gamma)))}[loss]())
         values["rewards/chosen"].append(chosen)
         values["rewards/rejected"].append(rejected)
         values["rewards/accuracies"].append(float(chosen > rejected))
@@ -162,20 +170,21 @@ def independent_eval(policy_dir: Path, reference_dir: Path, rows: list[dict], be
     return {name: sum(v) / len(v) for name, v in values.items()}
 
 
-@pytest.mark.parametrize("dpo_loss", ["sigmoid", "ipo"])
-def test_rewards_and_loss_equal_an_independent_computation(dpo_loss, models, tmp_path, env):
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
+def test_rewards_and_loss_equal_an_independent_computation(loss, models, tmp_path, env):
     """The first evaluation scores every held-out pair with the policy (--model)
-    and a reference of other weights: under 2-process FSDP, each value is the
-    mean of what transformers alone computes."""
+    and, for DPO, a reference of other weights: under 2-process FSDP, each value
+    is the mean of what transformers alone computes."""
     policy, reference = models
     data = data_dir(tmp_path / "data", conversational=False)
     run_dir = tmp_path / "run"
-    check_ok(run_cli(["train", "--model", policy, "--reference_model", reference, "--method", "dpo",
-                      "--dpo_loss", dpo_loss, "--dpo_beta", "0.5", "--dataset", data, *QUIET, "--max_steps", "1",
-                      "--output_dir", run_dir], env, mixed_precision="no", warm=True))
+    method = (["--method", "simpo", "--simpo_gamma", "0.3"] if loss == "simpo" else
+              ["--method", "dpo", "--dpo_loss", loss, "--reference_model", reference])
+    check_ok(run_cli(["train", "--model", policy, *method, "--dpo_beta", "0.5", "--dataset", data, *QUIET,
+                      "--max_steps", "1", "--output_dir", run_dir], env, mixed_precision="no", warm=True))
     first = json.loads((run_dir / "summary.json").read_text())["first_eval"]
-    expected = independent_eval(policy, reference, read_jsonl(data / "validation.jsonl"), 0.5,
-                                per_token=dpo_loss == "ipo")
+    expected = independent_eval(policy, None if loss == "simpo" else reference,
+                                read_jsonl(data / "validation.jsonl"), 0.5, loss, gamma=0.3)
     assert first["eval_loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-5)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"):
         assert first[f"eval_{name}"] == pytest.approx(expected[name], rel=1e-5, abs=1e-5), name
@@ -312,6 +321,33 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
             for metric in ("loss", "rewards/chosen", "rewards/rejected"):
                 assert steps[step][metric] == pytest.approx(expected[step][metric], rel=1e-4, abs=1e-5), (name, step)
         assert json.loads((tmp_path / name / "summary.json").read_text())["reference_params_per_rank"] is None
+
+
+def test_qlora_dpo_starts_at_ln2_and_moves_the_rewards(tmp_path, env):
+    """QLoRA's code path on CPU (as test_lora runs it): the reference is the
+    4-bit base with the adapters off."""
+    pytest.importorskip("torchao")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from sft_models import chat_tokenizer, conversations
+
+    tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    torch.manual_seed(0)
+    model_dir = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=256, n_layer=2, n_head=4, n_positions=128,
+                               bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run_dir = tmp_path / "run"
+    check_ok(run_cli(["train", "--model", model_dir, "--method", "dpo", "--peft", "qlora", "--dataset",
+                      data_dir(tmp_path / "data", conversational=False), *QUIET, "--max_steps", "4",
+                      "--learning_rate", "3e-2", "--output_dir", run_dir],
+                     {**env, "FINETUNE_QLORA_ON_CPU": "1"}, mixed_precision="no", warm=True))
+    rows = train_rows(run_dir)
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert rows[-1]["rewards/margins"] > 0 and all(math.isfinite(r["loss"]) for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["peft"] == "qlora" and summary["reference"] == "the base, adapters off"
 
 
 def json_args(learnt: dict, name: str) -> list[str]:
