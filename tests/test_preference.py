@@ -278,6 +278,14 @@ def test_a_dpo_run_resumes_exactly(learnt, tmp_path, env):
     for step in resumed:
         for name in ("loss", "rewards/margins", "logps/chosen"):
             assert resumed[step][name] == pytest.approx(uninterrupted[step][name], abs=1e-6), (step, name)
+    # Exported offline from its last checkpoint: the adapters merged into the base, as final/ holds them.
+    from safetensors.torch import load_file
+
+    check_ok(run_in_process("export", run_dir, "--output", tmp_path / "export"))
+    exported, final = (load_file(d / "model.safetensors") for d in (tmp_path / "export", run_dir / "final"))
+    assert exported.keys() == final.keys()
+    for name, tensor in final.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def test_ddp_and_zero_take_the_same_steps(learnt, tmp_path, env):
