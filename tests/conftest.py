@@ -28,9 +28,9 @@ CONFIGS = REPO / "accelerate_configs"
 
 # The suite runs on two workers, a test file each (scripts/test.sh: pytest-xdist,
 # --dist loadfile), handed out in collection order:
-# - the 355 M model's file first, with the files that run in process beside it:
-#   they need little memory, and its resident-set bounds do not hold when the
-#   other worker's runs push its file pages out (a rank's rise read half its size);
+# - the 355 M model's file first (its families; its memory-bound tests are
+#   marked `alone` and run before, on their own), with the files that run in
+#   process beside it: they need little memory;
 # - then the longest files, so that the short ones fill in at the end (started
 #   last, a long one would leave the other worker idle for minutes).
 # The rest keep their order.

@@ -78,6 +78,7 @@ def medium_runs(tmp_path_factory, env, small_corpus, medium_dir):
         shutil.rmtree(run_dir)
 
 
+@pytest.mark.alone  # its resident-set bounds: beside another worker's runs a rank's final-save rise read half its size
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs, medium_dir, nproc):
     summary = json.loads((medium_runs[nproc] / "summary.json").read_text())
@@ -114,6 +115,7 @@ def test_no_rank_holds_the_whole_model_at_load_or_at_the_final_save(medium_runs,
         torch.testing.assert_close(final_tensors[name], tensor, rtol=0, atol=1e-25, msg=name)
 
 
+@pytest.mark.alone  # the medium runs' other reader: their fixture is made once, on its own
 def test_export_streams_from_the_shards(medium_runs, tmp_path):
     from finetune.host_memory import HostMemory
     from finetune.export import export_checkpoint
