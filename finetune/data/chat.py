@@ -241,11 +241,15 @@ class SFTStats:
     dropped_no_target: int = 0
 
     def describe(self) -> str:
-        notes = [f"{self.truncated} truncated" if self.truncated else "",
-                 f"{self.dropped_long} longer than --block_size dropped" if self.dropped_long else "",
-                 f"{self.dropped_no_target} dropped with no answer token left" if self.dropped_no_target else ""]
-        notes = [n for n in notes if n]
-        return f"{self.examples} examples" + (f" ({', '.join(notes)})" if notes else "")
+        return counted(f"{self.examples} examples", {"truncated": self.truncated,
+                                                      "longer than --block_size dropped": self.dropped_long,
+                                                      "dropped with no answer token left": self.dropped_no_target})
+
+
+def counted(kept: str, notes: dict[str, int]) -> str:
+    """'12 examples (3 truncated, 1 dropped ...)': what was kept, and the counts that are not 0."""
+    shown = [f"{count} {what}" for what, count in notes.items() if count]
+    return kept + (f" ({', '.join(shown)})" if shown else "")
 
 
 def encode_split(split: Dataset, encoder: ChatEncoder, block_size: int, long_examples: str, desc: str,

@@ -22,7 +22,8 @@ import torch
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat import EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, check_messages, well_formed_messages
+from finetune.data.chat import (EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, check_messages, counted,
+                                 well_formed_messages)
 from finetune.errors import UsageError
 
 SIDES = ("chosen", "rejected")
@@ -37,13 +38,10 @@ class PairStats:
     dropped_no_target: int = 0
 
     def describe(self) -> str:
-        notes = [f"{self.truncated} truncated" if self.truncated else "",
-                 f"{self.dropped_long_prompt} with a prompt over --max_prompt_length dropped"
-                 if self.dropped_long_prompt else "",
-                 f"{self.dropped_long} longer than --block_size dropped" if self.dropped_long else "",
-                 f"{self.dropped_no_target} dropped with no completion token left" if self.dropped_no_target else ""]
-        notes = [n for n in notes if n]
-        return f"{self.pairs} pairs" + (f" ({', '.join(notes)})" if notes else "")
+        return counted(f"{self.pairs} pairs", {"truncated": self.truncated,
+                                                "with a prompt over --max_prompt_length dropped": self.dropped_long_prompt,
+                                                "longer than --block_size dropped": self.dropped_long,
+                                                "dropped with no completion token left": self.dropped_no_target})
 
 
 def _nonempty_string(value: Any) -> bool:

@@ -67,6 +67,13 @@ def model_config(model):
     return getattr(model, "module", model).config  # under DDP the HF model is .module
 
 
+def model_inputs(model, batch: dict) -> dict:
+    """A training or scoring forward's inputs: no KV cache (never reused), and
+    the mask that keeps a batch's examples apart."""
+    return {"input_ids": batch["input_ids"], "use_cache": False,
+            **attention_inputs(batch, model_config(model)._attn_implementation)}
+
+
 class CausalLM(Task):
     name = "causal-lm"
     metric_name = "perplexity"
@@ -204,8 +211,7 @@ class CausalLM(Task):
         one the chunked loss reproduces."""
         labels = batch.get("labels", batch["input_ids"])
         targets = next_token_targets(labels)
-        inputs = {"input_ids": batch["input_ids"], "use_cache": False,
-                  **attention_inputs(batch, model_config(model)._attn_implementation)}
+        inputs = model_inputs(model, batch)
         tokens = batch["attention_mask"].sum() if "attention_mask" in batch else torch.tensor(labels.numel())
         chunked = (chunked_head_loss(model, inputs, targets, self.cfg.loss_chunk_size)
                    if self.cfg.loss_chunk_size and can_chunk(model) else None)

@@ -34,7 +34,7 @@ from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
 from finetune.methods.preference import METRICS, PairLogps, PairLosses, preference_loss
 from finetune.tasks.base import LossSum, Scored, TaskData
-from finetune.tasks.causal_lm import CausalLM, attention_inputs, model_config
+from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
 
 
@@ -178,9 +178,7 @@ class PreferenceLM(CausalLM):
         batch's chosen rows (its first half) and rejected rows. From the full
         logits: the chunked loss gives no per-row gradient."""
         targets = next_token_targets(batch["labels"])
-        inputs = {"input_ids": batch["input_ids"], "use_cache": False,
-                  **attention_inputs(batch, model_config(model)._attn_implementation)}
-        logps = -full_logits_nll(model(**inputs).logits, targets).sum(dim=-1)
+        logps = -full_logits_nll(model(**model_inputs(model, batch)).logits, targets).sum(dim=-1)
         counts = (targets != IGNORE).sum(dim=-1)
         pairs = len(logps) // 2
         return PairLogps(logps[:pairs], logps[pairs:], counts[:pairs], counts[pairs:])
