@@ -7,7 +7,7 @@ markdown table and JSON.
     python scripts/bench.py --suite packing [--model small-gpt2] [--block_size 256]
     python scripts/bench.py --suite loss --batch 4 --block_size 512 [--model gpt2-small] [--baseline_ref REF]
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
-    python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]
+    python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]   # QLoRA too on a GPU
     python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
@@ -556,30 +556,37 @@ def suite_loss(args) -> tuple[list[dict], str]:
 
 
 def suite_lora(args) -> tuple[list[dict], str]:
-    """2-process FSDP: a full fine-tune against LoRA (all-linear, rank --lora_r)
-    of the same model, interleaved; per-rank state and peak memory, step time."""
+    """FSDP (fsdp.yaml): a full fine-tune against LoRA (all-linear, rank
+    --lora_r) of the same model, interleaved, and QLoRA (LoRA on the 4-bit
+    base) where there is a CUDA GPU; per-rank state and peak memory, step time.
+    2 processes on CPU, one per GPU on a GPU machine."""
+    import torch
+
+    nproc = torch.cuda.device_count() if on_gpu() else 2
+    pefts = ["none", "lora", "qlora"] if on_gpu() else ["none", "lora"]
+    names = {"none": "full fine-tune", "lora": f"LoRA r={args.lora_r}", "qlora": f"QLoRA r={args.lora_r}"}
     with tempfile.TemporaryDirectory() as tmp:
         def run_case(peft: str, round_index: int) -> dict:
-            name = "full fine-tune" if peft == "none" else f"LoRA r={args.lora_r}"
-            print(f"[bench] {name}, fsdp.yaml, 2 processes", flush=True)
+            print(f"[bench] {names[peft]}, fsdp.yaml, {nproc} process(es)", flush=True)
             run_dir = Path(tmp) / f"{peft}-{round_index}"
-            option = [] if peft == "none" else ["--peft", "lora", "--lora_r", str(args.lora_r)]
-            launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), *option], args.mixed_precision)
+            option = [] if peft == "none" else ["--peft", peft, "--lora_r", str(args.lora_r)]
+            launch("fsdp.yaml", nproc, [*train_args(args, run_dir, args.batch), *option], args.mixed_precision)
             summary = json.loads((run_dir / "summary.json").read_text())
-            return {"case": name, **measure(run_dir), "trainable_params": summary["trainable_params"]}
+            return {"case": names[peft], **measure(run_dir), "trainable_params": summary["trainable_params"]}
 
-        results = fastest_rounds(["none", "lora"], run_case, args.rounds)
-    full, lora = results
-    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} x {args.block_size} tokens, fsdp.yaml, "
+        results = fastest_rounds(pefts, run_case, args.rounds)
+    full = results[0]
+    lines = [f"model {args.model}, {args.steps} steps, {nproc} x {args.batch} x {args.block_size} tokens, fsdp.yaml, "
              f"{args.mixed_precision}, fastest of {args.rounds} round(s); bytes per rank", "",
              "| case | trainable parameters | state (params + grads + AdamW) | peak memory | step time (s) |",
              "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['case']} | {r['trainable_params']:,} | {' / '.join(f'{b:,}' for b in r['state_bytes_per_rank'])} | "
               f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {r['step_time_s']:.3f} |"
               for r in results]
-    lines += ["", f"LoRA / full: state {max(lora['state_bytes_per_rank']) / max(full['state_bytes_per_rank']):.2f}x, "
-                  f"peak memory {max(lora['peak_memory_bytes_per_rank']) / max(full['peak_memory_bytes_per_rank']):.2f}x, "
-                  f"step time {lora['step_time_s'] / full['step_time_s']:.2f}x"]
+    lines.append("")
+    lines += [f"{r['case']} / full: state {max(r['state_bytes_per_rank']) / max(full['state_bytes_per_rank']):.2f}x, "
+              f"peak memory {max(r['peak_memory_bytes_per_rank']) / max(full['peak_memory_bytes_per_rank']):.2f}x, "
+              f"step time {r['step_time_s'] / full['step_time_s']:.2f}x" for r in results[1:]]
     return results, "\n".join(lines)
 
 

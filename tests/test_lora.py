@@ -345,6 +345,29 @@ def test_qlora_under_bf16_mixed_precision_has_finite_losses(tmp_path, env, small
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
 
 
+def test_qlora_on_one_process_of_fsdp_yaml_trains_and_resumes(tmp_path, env, small_corpus, gpt2_dir):
+    """One GPU under fsdp.yaml: a launch of one process, in the config's bf16.
+    Accelerate's one-copy loading would broadcast the 4-bit weights, and FSDP2
+    on one rank rebuilds a weight from one of NF4's three all-gather inputs:
+    the run must leave both to the ranks and still train, save and resume."""
+    pytest.importorskip("torchao")
+    run_dir, qlora_env = tmp_path / "run", {**env, "FINETUNE_QLORA_ON_CPU": "1"}
+    proc = run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",
+                    "--max_steps", "2", "--checkpoint_every", "1", "--max_eval_batches", "1",
+                    "--output_dir", str(run_dir)], qlora_env, nproc=1, mixed_precision="bf16", warm=True)
+    check_ok(proc)
+    assert re.search(r"4-bit \(NF4\) base weights in (\d+) of \1 adapted layers", proc.stdout), proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["distributed_type"], summary["world_size"], summary["mixed_precision"]) == ("FSDP", 1, "bf16")
+    check_ok(run_cli(["train", "--config", str(run_dir / "run_config.yaml"), "--resume_from_checkpoint",
+                      str(run_dir / "checkpoints" / "step_000001"), "--output_dir", str(tmp_path / "resumed")],
+                     qlora_env, nproc=1, mixed_precision="bf16", warm=True))
+    full, resumed = train_rows(run_dir), train_rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [2]
+    assert all(math.isfinite(r["loss"]) for r in full)
+    assert resumed[0]["loss"] == pytest.approx(full[1]["loss"], rel=1e-3)
+
+
 def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
     pytest.importorskip("torchao")
     proc = run_cli(["train", "--model", str(gpt2_dir), "--dataset", str(small_corpus), *QUIET, "--peft", "qlora",

@@ -89,6 +89,20 @@ def nf4_fits(shape: torch.Size, world_size: int) -> bool:
             and shape.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK * world_size) == 0)
 
 
+def keep_4_bit_layers_out_of_fsdp(model: torch.nn.Module, accelerator: "Accelerator") -> None:
+    """On one rank FSDP2 skips its all-gather and rebuilds each weight from the
+    first of its all-gather inputs alone, and NF4 has three. One rank has
+    nothing to shard: FSDP leaves the 4-bit layers out and manages the rest.
+    Their frozen biases go where FSDP would have put them, in the dtype it
+    would have cast them to."""
+    layers = [layer for layer in adapted_layers(model).values() if isinstance(layer.weight, nf4_tensor_class())]
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    for layer in layers:
+        if layer.bias is not None:  # FSDP would have moved it to the device, and cast it
+            layer.bias.data = layer.bias.data.to(accelerator.device, compute_dtype or layer.bias.dtype)
+    accelerator.state.fsdp_plugin.ignored_modules = layers
+
+
 class QLoRA(LoRA):
     name = "qlora"
     extra = "qlora"
@@ -117,6 +131,8 @@ class QLoRA(LoRA):
         self.check_backend(accelerator)
         model = super().wrap(model, source, accelerator, record_base)
         quantized, kept = quantize_adapted_bases(model, accelerator.num_processes, accelerator.device)
+        if accelerator.is_fsdp2 and accelerator.num_processes == 1:
+            keep_4_bit_layers_out_of_fsdp(model, accelerator)
         accelerator.print(f"4-bit (NF4) base weights in {quantized} of {quantized + len(kept)} adapted layers"
                           + (f"; {len(kept)} keep --model_dtype, their shards not being whole blocks of "
                              f"{NF4_BLOCK * NF4_SCALER_BLOCK} weights (first: {kept[0]})" if kept else ""))

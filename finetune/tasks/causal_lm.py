@@ -96,7 +96,7 @@ class CausalLM(Task):
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
         # weights; the others build the architecture and receive their shards in `prepare`.
         from_main = backend.weights_from_main_process(accelerator)
-        if from_main and self.method.each_rank_loads_the_base:
+        if self.method.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
             backend.leave_loading_to_the_ranks(accelerator)
             from_main = False
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
@@ -212,7 +212,8 @@ class CausalLM(Task):
         labels = batch.get("labels", batch["input_ids"])
         targets = next_token_targets(labels)
         inputs = model_inputs(model, batch)
-        tokens = batch["attention_mask"].sum() if "attention_mask" in batch else torch.tensor(labels.numel())
+        tokens = (batch["attention_mask"].sum() if "attention_mask" in batch
+                  else torch.tensor(labels.numel(), device=labels.device))  # beside the loss, on the GPU too
         chunked = (chunked_head_loss(model, inputs, targets, self.cfg.loss_chunk_size)
                    if self.cfg.loss_chunk_size and can_chunk(model) else None)
         if chunked is None:
