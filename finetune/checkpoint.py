@@ -212,8 +212,10 @@ class StoredState:
       --model, so a load keeps the live ones.
     Everything else (the end-of-run gather, exports) sees the whole state."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, leave_out: bool = True):
+        """`leave_out`: False where the backend needs the whole state dict (FSDP1)."""
         self.active = False
+        self.leave_out = leave_out
         self.duplicates = tied_duplicates(model)
         self.frozen = {canonical_name(name) for name, p in model.named_parameters() if not p.requires_grad}
         self.live = model
@@ -231,7 +233,7 @@ class StoredState:
             self.active = False
 
     def _leave_out(self, module, state_dict, prefix, local_metadata):
-        if not self.active:
+        if not (self.active and self.leave_out):
             return
         for name in [*self.duplicates, *self.frozen]:
             state_dict.pop(prefix + name, None)
@@ -264,7 +266,7 @@ class CheckpointManager:
         self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
         self.data = data      # the training batches: their position is saved with every checkpoint
         self.unwrapped = unwrapped = accelerator.unwrap_model(model)
-        self.stored = StoredState(unwrapped)
+        self.stored = StoredState(unwrapped, leave_out=self.backend.checkpoints_leave_out_stored_state)
         self.root = Path(run_dir) / "checkpoints"
         self.every = every
         self.every_epochs = every_epochs

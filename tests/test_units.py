@@ -505,6 +505,25 @@ def test_a_tied_parameter_is_saved_under_one_name_and_loads_back_tied(family, ti
         assert torch.equal(tensor, trained[name]), name
 
 
+def test_fsdp1_checkpoints_keep_every_parameter_name():
+    """FSDP1's state-dict hooks run after the wrapped model's and check that every
+    parameter is still there, so its checkpoints leave nothing out; the others do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.backends import REGISTRY
+    from finetune.checkpoint import StoredState
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    for backend in REGISTRY:
+        model = LlamaForCausalLM(config)
+        model.model.norm.weight.requires_grad_(False)  # a frozen parameter, as a base under adapters
+        StoredState(model, leave_out=backend.checkpoints_leave_out_stored_state).active = True
+        left_out = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(model.state_dict())
+        expected = set() if backend.__name__ == "FSDP1" else {"lm_head.weight", "model.norm.weight"}
+        assert left_out == expected, backend.__name__
+
+
 def test_a_lora_checkpoint_holds_the_adapters_only_and_loads_them_into_the_live_base():
     from transformers import LlamaConfig, LlamaForCausalLM
 

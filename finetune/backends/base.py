@@ -78,6 +78,8 @@ class Backend:
     # --- selection ------------------------------------------------------------------------------
 
     fallback: ClassVar[bool] = False  # chosen only when no other backend is asked for (whole replicas)
+    # Checkpoints store a tied parameter once and leave a frozen base out (checkpoint.StoredState).
+    checkpoints_leave_out_stored_state: ClassVar[bool] = True
 
     @classmethod
     def requested(cls) -> bool:

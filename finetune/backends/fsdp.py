@@ -257,6 +257,12 @@ class FSDP1(FSDP2):
     def after_prepare(self, model: torch.nn.Module) -> None:
         """FSDP1 takes no custom collectives."""
 
+    # FSDP1's own state-dict hooks run after the wrapped model's and check that
+    # every parameter is still there (one H200: the first save stopped with
+    # FSDP's AssertionError on GPT-2's tied output layer): its checkpoints
+    # store a tied parameter under each name, and a frozen base too.
+    checkpoints_leave_out_stored_state = False
+
     frozen_model_refusal = ("finetune shards a frozen reference model under FSDP2 (and DeepSpeed), not FSDP1; "
                             "launch with `--config_file $(finetune configs --path fsdp)`, or pass --peft lora (the "
                             "reference is then the base with the adapters off)")
