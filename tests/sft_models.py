@@ -1,5 +1,5 @@
-"""Tiny Llama- and Qwen2-style chat models saved as HF model dirs, with a
-ChatML tokenizer trained here, for the SFT tests."""
+"""Tiny Llama- and Qwen2-style chat models saved as HF model dirs (and one as a
+GGUF file), with a ChatML tokenizer trained here, for the SFT tests."""
 
 from __future__ import annotations
 
@@ -68,4 +68,52 @@ def save_chat_model(path: Path, arch: str = "llama", tie: bool = False, template
     model = LlamaForCausalLM(LlamaConfig(**shape)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def save_gguf_model(path: Path) -> Path:
+    """A tiny Llama as llama.cpp's GGUF writes one (fp32 tensors, a GPT-2-style
+    BPE vocabulary, the ChatML template), written with the gguf package."""
+    import gguf
+    import numpy as np
+
+    tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    tokens = [token for token, _ in sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    hidden, layers, heads, kv_heads, ffn = 32, 2, 4, 2, 64
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(CHATML)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,),
+              "output.weight": (len(tokens), hidden)}
+    kv_width = kv_heads * hidden // heads
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_width, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_width, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path

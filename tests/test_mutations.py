@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 
 from conftest import CONFIGS, run_in_process
-from sft_models import CHATML, conversations, save_chat_model, write_jsonl
+from sft_models import CHATML, conversations, save_chat_model, save_gguf_model, write_jsonl
 from test_errors import snapshot
 
 SEED = 20261125
@@ -48,6 +48,7 @@ def examples(tmp_path_factory, checkpointed_run) -> dict[str, Path]:
     """A valid file of each kind, in a dir that each case copies."""
     root = tmp_path_factory.mktemp("valid")
     model = save_chat_model(root / "model")
+    save_gguf_model(root / "model.gguf")
     write_jsonl(root / "chat.jsonl", conversations(24, seed=1))
     (root / "template.jinja").write_text(CHATML)
     shutil.copy(CONFIGS / "zero2.yaml", root / "accelerate.yaml")
@@ -67,6 +68,9 @@ KINDS: dict[str, tuple[str, Callable[[Path], list]]] = {
     "model config": ("model/config.json", lambda r: ["generate", r / "model", "--prompt", "Hi", "--max_new_tokens", "2"]),
     "tokenizer": ("model/tokenizer.json", lambda r: ["generate", r / "model", "--prompt", "Hi", "--max_new_tokens", "2"]),
     "weights": ("model/model.safetensors", lambda r: ["generate", r / "model", "--prompt", "Hi", "--max_new_tokens", "2"]),
+    "GGUF model": ("model.gguf", lambda r: ["generate", r / "model.gguf", "--prompt", "Hi", "--max_new_tokens", "2"]),
+    "GGUF model, planned": ("model.gguf", lambda r: ["estimate-memory", "--model", r / "model.gguf",
+                                                     "--num_processes", "2"]),
     "accelerate config": ("accelerate.yaml", lambda r: ["estimate-memory", "--model", "tiny-gpt2",
                                                         "--accelerate_config", r / "accelerate.yaml"]),
     "run record": ("run/run_config.yaml", lambda r: ["resume", r / "run", "--no_relaunch"]),
@@ -97,3 +101,25 @@ def test_a_damaged_file_is_one_line_or_harmless(kind, how, examples, tmp_path):
     assert lines and lines[-1].startswith("error: ") and sum("error" in line.lower() for line in lines) == 1, \
         proc.stderr[-2000:]
     assert snapshot(root) == before, "a failed command wrote or left something behind"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_gguf_with_damaged_metadata_is_one_line_or_harmless(seed, examples, tmp_path):
+    """Bit flips in the header and key-value section (the tokenizer, the shapes and
+    the offsets the reader trusts), where the whole-file flips above mostly land
+    in the tensor data."""
+    import gguf
+
+    valid = examples["root"] / "model.gguf"
+    data, rng = bytearray(valid.read_bytes()), random.Random(f"{SEED}-gguf-{seed}")
+    metadata_end = gguf.GGUFReader(str(valid)).data_offset
+    for _ in range(4):
+        data[rng.randrange(24, metadata_end)] ^= 1 << rng.randrange(8)
+    damaged = tmp_path / "model.gguf"
+    damaged.write_bytes(bytes(data))
+    before = snapshot(tmp_path)
+    proc = run_in_process("generate", damaged, "--prompt", "Hi", "--max_new_tokens", "2")
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if proc.returncode != 0:
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr[-2000:]
+    assert snapshot(tmp_path) == before
