@@ -20,7 +20,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from finetune.data.fingerprint import INPUT_OPTIONS, absolute
-from finetune.errors import UsageError
+from finetune.errors import UsageError, not_a_file
 from finetune.tasks import REGISTRY
 
 TASKS = tuple(REGISTRY)
@@ -433,7 +433,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
     if path:
         path = Path(path)
         if not path.is_file():
-            raise UsageError(f"config file {path} does not exist; pass an existing YAML file to --config")
+            raise UsageError(f"config file {path} {not_a_file(path)}; pass an existing YAML file to --config")
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:

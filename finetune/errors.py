@@ -34,6 +34,13 @@ class NotDistributed(Exception):
     exit_code = 1
 
 
+def not_a_file(path) -> str:
+    """Why a path the user named as a file cannot be read as one."""
+    from pathlib import Path
+
+    return "is a directory, not a file" if Path(path).is_dir() else "does not exist"
+
+
 # What the OS says when a write fails, and what to do about it: the fix follows the cause.
 WRITE_FIXES = (
     (("No space left", "Disk quota exceeded", "File too large"), "free space on that device"),

@@ -31,6 +31,7 @@ from conftest import (
     run_in_process,
     train_rows,
 )
+from sft_models import conversations, write_jsonl
 from test_errors import one_error_line, snapshot
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
@@ -584,3 +585,17 @@ def test_a_run_that_recorded_its_data_relative_is_refused_where_the_path_is_gone
     assert proc.returncode == 2 and "relaunching" not in proc.stdout
     line = one_error_line(proc.stderr)
     assert f"--dataset data/corpus.txt does not exist from {tmp_path}" in line and "resume from the dir" in line
+
+
+@pytest.mark.parametrize("option", ["--chat_template", "--config", "--model"])
+def test_a_directory_named_as_a_file_is_called_one(option, tmp_path, small_corpus):
+    """Not "does not exist": the path is there, and the fix is to name the file in it."""
+    named = tmp_path / ("model.gguf" if option == "--model" else "template")
+    named.mkdir()
+    args = ["train", "--output_dir", tmp_path / "run", "--dataset", small_corpus, option, named]
+    if option == "--chat_template":
+        args += ["--data_format", "chat", "--dataset", write_jsonl(tmp_path / "chat.jsonl", conversations(8))]
+    proc = run_in_process(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{named} is a directory, not a file" in one_error_line(proc.stderr)
+    assert not (tmp_path / "run").exists()

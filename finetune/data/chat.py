@@ -33,7 +33,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.templates import check_chat_template
-from finetune.errors import UsageError
+from finetune.errors import UsageError, not_a_file
 
 IGNORE = -100
 # The columns that name each format, in the order detection tries them.
@@ -219,7 +219,7 @@ def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, d
     if template_file:
         path = Path(template_file)
         if not path.is_file():
-            raise UsageError(f"--chat_template {template_file} does not exist; pass a Jinja template file")
+            raise UsageError(f"--chat_template {template_file} {not_a_file(path)}; pass a Jinja template file")
         try:
             tokenizer.chat_template = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

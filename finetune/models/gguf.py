@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from finetune.data.builtin import cache_root
-from finetune.errors import UsageError
+from finetune.errors import UsageError, not_a_file
 
 
 def is_gguf(name_or_path: str) -> bool:
@@ -58,7 +58,7 @@ def converted_dir(gguf_path: str) -> Path:
     """The HF model dir of a GGUF file, converted on first use."""
     path = Path(gguf_path)
     if not path.is_file():
-        raise UsageError(f"--model {gguf_path} does not exist; pass an existing .gguf file")
+        raise UsageError(f"--model {gguf_path} {not_a_file(path)}; pass an existing .gguf file")
     check_gguf_header(path)
     target = cache_root() / "gguf" / f"{path.stem}-{file_digest(path)[:16]}"
     if (target / "config.json").is_file():
