@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # End to end on the GPUs of this machine, for the configs CI (CPU only) cannot
 # run: train with a checkpoint, resume to more steps, export, generate and
-# evaluate, under each accelerate config named (default: the GPU-only ones and
-# bf16 FSDP2). One process per GPU. Prints one line per stage and the facts of
-# each run's summary.json; stops at the first failure.
-#   bash scripts/gpu_check.sh [CONFIG.yaml ...]
+# evaluate, under each accelerate config named (default: the GPU-only ones,
+# bf16 FSDP2, and QLoRA under FSDP2). CONFIG.yaml:PEFT adds --peft PEFT. One
+# process per GPU. Prints one line per stage and the facts of each run's
+# summary.json; stops at the first failure.
+#   bash scripts/gpu_check.sh [CONFIG.yaml[:lora|:qlora] ...]
 #   FINETUNE_GPU_CHECK_MODEL=small-gpt2 FINETUNE_GPU_CHECK_STEPS=20 bash scripts/gpu_check.sh
 # Uses $PYTHON (default: python3 on PATH) as it is (run scripts/_env.sh first on a new machine).
 set -euo pipefail
@@ -22,28 +23,32 @@ if [ "$GPUS" -lt 1 ]; then
 fi
 "$PY" -c 'import torch; print(f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'
 configs=("$@")
-[ ${#configs[@]} -gt 0 ] || configs=(fsdp.yaml fsdp1.yaml fsdp_offload.yaml)
+[ ${#configs[@]} -gt 0 ] || configs=(fsdp.yaml fsdp1.yaml fsdp_offload.yaml fsdp.yaml:qlora)
 mkdir -p "$OUT"
 
 stage() {  # stage NAME COMMAND...: run, time, and stop the script on failure
     local name="$1"; shift
     local start=$SECONDS
     if ! "$@" >"$OUT/$name.log" 2>&1; then
-        echo "FAILED $name (exit code in $OUT/$name.log):"; tail -30 "$OUT/$name.log"; exit 1
+        echo "FAILED $name (the whole output: $OUT/$name.log):"
+        grep -E "error:|Error" "$OUT/$name.log" | grep -v -E "ChildFailedError|elastic" | tail -10; exit 1
     fi
     echo "ok     $name ($((SECONDS - start)) s)"
 }
 
-for config in "${configs[@]}"; do
-    run="$OUT/${config%.yaml}"
+for case in "${configs[@]}"; do
+    config="${case%%:*}"
+    peft=(); [ "$case" = "$config" ] || peft=(--peft "${case#*:}")
+    name="${config%.yaml}${peft[1]:+-${peft[1]}}"
+    run="$OUT/$name"
     rm -rf "$run" "$run-export"
     launch=("$PY" -m accelerate.commands.launch --config_file "accelerate_configs/$config" --num_processes "$GPUS")
-    stage "${config%.yaml}-train" "${launch[@]}" -m finetune train --model "$MODEL" --max_steps "$STEPS" \
+    stage "$name-train" "${launch[@]}" -m finetune train --model "$MODEL" --max_steps "$STEPS" "${peft[@]}" \
         --checkpoint_every $((STEPS / 2)) --eval_every $((STEPS / 2)) --output_dir "$run" --sample_prompt ""
-    stage "${config%.yaml}-resume" "${launch[@]}" -m finetune resume "$run" --max_steps $((STEPS + STEPS / 2))
-    stage "${config%.yaml}-export" "$PY" -m finetune export "$run" --output "$run-export" --dtype bfloat16
-    stage "${config%.yaml}-generate" "$PY" -m finetune generate "$run-export" --prompt "Return the"
-    stage "${config%.yaml}-evaluate" "$PY" -m finetune evaluate "$run-export"
+    stage "$name-resume" "${launch[@]}" -m finetune resume "$run" --max_steps $((STEPS + STEPS / 2))
+    stage "$name-export" "$PY" -m finetune export "$run" --output "$run-export" --dtype bfloat16
+    stage "$name-generate" "$PY" -m finetune generate "$run-export" --prompt "Return the"
+    stage "$name-evaluate" "$PY" -m finetune evaluate "$run-export"
     "$PY" - "$run" <<'EOF'
 import json, sys
 s = json.load(open(f"{sys.argv[1]}/summary.json"))
@@ -52,5 +57,5 @@ keys = ("distributed_type", "fsdp_version", "mixed_precision", "world_size", "st
 print("       " + ", ".join(f"{k}={s[k]}" for k in keys))
 print(f"       last eval {s['last_eval']}")
 EOF
-    tail -1 "$OUT/${config%.yaml}-evaluate.log"
+    tail -1 "$OUT/$name-evaluate.log"
 done
