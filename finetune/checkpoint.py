@@ -89,6 +89,15 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def no_checkpoint_message(run_dir: Path) -> str:
+    if (run_dir / "final").is_dir():
+        return (f"{run_dir} finished with no checkpoint to continue from (--checkpoint_at_end false, or they were "
+                f"removed); train its final model further: --model {run_dir / 'final'} with a new --output_dir")
+    return (f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from: the run stopped before its "
+            "first one; train it again with --overwrite (--resume_from_checkpoint auto starts fresh when there is "
+            "none)")
+
+
 def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
     """Turn `latest`, `auto` or a path into a checkpoint dir, with clear errors.
     `auto` is `latest` when there is a complete checkpoint and None (start
@@ -99,8 +108,7 @@ def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
     if spec == "latest":
         found = complete_checkpoints(run_dir)
         if not found:
-            raise UsageError(f"no complete checkpoint under {Path(run_dir) / 'checkpoints'} to resume from; "
-                             "drop --resume_from_checkpoint to start fresh")
+            raise UsageError(no_checkpoint_message(Path(run_dir)))
         return found[-1]
     path = Path(spec)
     if not (path / PROGRESS_FILE).is_file():
@@ -257,7 +265,7 @@ class CheckpointManager:
     weights (HF config, generation config, tokenizer)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
-                 every_epochs: int, keep_last: int, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
+                 every_epochs: int, keep_last: int, at_end: bool = True, config_yaml: str, tokenizer: PreTrainedTokenizerBase | None,
                  method: ModelFilesPolicy, data: EpochBatches, backend: Backend | None = None,
                  allow_unverified: bool = False):
         self.accelerator = accelerator
@@ -271,6 +279,7 @@ class CheckpointManager:
         self.every = every
         self.every_epochs = every_epochs
         self.keep_last = keep_last
+        self.at_end = at_end
         self.config_yaml = config_yaml
         self.hf_config = unwrapped.config
         self.tokenizer = tokenizer
@@ -303,10 +312,12 @@ class CheckpointManager:
             os.replace(checkpoint, aside / checkpoint.name)
         return aside
 
-    def maybe_save(self, progress: TrainingProgress, *, epoch_end: bool = False, final: bool = False) -> Path | None:
+    def maybe_save(self, progress: TrainingProgress, *, epoch_end: bool = False, end: bool = False,
+                   stop: bool = False) -> Path | None:
         """Call after every optimizer step, after every epoch (epoch_end, with
-        progress.epoch already counting the finished epoch) and at the end."""
-        due = (final or (self.every > 0 and progress.step % self.every == 0)
+        progress.epoch already counting the finished epoch), at the end, and
+        when a stop was requested (always saved: the run is to be continued)."""
+        due = (stop or (end and self.at_end) or (self.every > 0 and progress.step % self.every == 0)
                or (epoch_end and self.every_epochs > 0 and progress.epoch % self.every_epochs == 0))
         if not due or progress.step == self.last_saved_step:
             return None

@@ -42,6 +42,7 @@ OPTION_GROUPS = {
     "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
                           "precompute_reference"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
+                                "checkpoint_at_end",
                                 "resume_from_checkpoint", "allow_unverified_checkpoint", "max_shard_size"),
     "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
                                "report_to", "sample_prompt", "profile_steps"),

@@ -62,7 +62,7 @@ RESUME_MAY_CHANGE = {
     # With another number of processes, this keeps the global batch (and so the losses) the same.
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
-                     "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "profile_steps", "sample_prompt",
+                     "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "checkpoint_at_end", "profile_steps", "sample_prompt",
                      "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size"),
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
@@ -220,6 +220,8 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "sharded checkpoint every N optimizer steps (0 = only at the end)")
     checkpoint_every_epochs: int = _opt(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)")
     keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
+    checkpoint_at_end: bool = _opt(True, "a sharded checkpoint when training ends, which `finetune resume` can "
+                                   "continue; false: the end writes final/ alone (a stop request still saves one)")
     max_shard_size: str = _opt("2GB", "largest safetensors file of the final model dir (RUN_DIR/final); the ranks "
                                "gather one file's tensors at a time, so this also bounds the memory of the final save")
     resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from; 'auto': the newest "

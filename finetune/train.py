@@ -202,7 +202,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
     checkpoints = CheckpointManager(
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
-        keep_last=cfg.keep_last, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
+        keep_last=cfg.keep_last, at_end=cfg.checkpoint_at_end, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              "inputs": inputs},
@@ -394,7 +394,7 @@ def after_step(run: Run, result: StepResult) -> None:
         run.evaluate()
     run.checkpoints.maybe_save(progress, epoch_end=result.epoch_end)
     if result.stop_votes > 0:
-        run.checkpoints.maybe_save(progress, final=True)
+        run.checkpoints.maybe_save(progress, stop=True)
         raise Stopped(f"{run.stop.name()} at step {progress.step}; checkpoint {complete_checkpoints(run.run_dir)[-1]} "
                       f"is complete: continue with `finetune resume {run.run_dir}`", run.stop.received or 15)
 
@@ -438,7 +438,7 @@ def to_float(t: torch.Tensor) -> float:
 
 def finish(run: Run) -> dict:
     run.evaluate()
-    run.checkpoints.maybe_save(run.progress, final=True)
+    run.checkpoints.maybe_save(run.progress, end=True)
     rss_before_save = run.host.restart()
     final_dir = write_final_model(run)
     state = run.state or run.backend.state(run.model, stepping_optimizer(run))

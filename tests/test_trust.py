@@ -599,3 +599,13 @@ def test_a_directory_named_as_a_file_is_called_one(option, tmp_path, small_corpu
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{named} is a directory, not a file" in one_error_line(proc.stderr)
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoint_at_end_false_writes_final_alone_and_resume_says_what_to_do(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    check_ok(run_in_process("train", *common_args(small_corpus), "--max_steps", "2", "--checkpoint_at_end", "false",
+                            "--output_dir", run_dir))
+    assert (run_dir / "final" / "model.safetensors").is_file() and not (run_dir / "checkpoints").exists()
+    proc = run_in_process("resume", run_dir, "--max_steps", "3", "--no_relaunch")
+    assert proc.returncode == 2
+    assert f"train its final model further: --model {run_dir / 'final'}" in one_error_line(proc.stderr)
