@@ -9,6 +9,7 @@ The end of training (`RUN_DIR/final`), every checkpoint's `model_config/` and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -199,3 +200,47 @@ def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: Pretrain
         if run_data:
             (tmp / RUN_DATA_FILE).write_text(json.dumps(run_data, indent=2))
     return out_dir
+
+
+# --- which weights a model came from ---------------------------------------------------------------
+
+SAMPLE_BYTES = 1 << 20     # read this much at each sampled offset of a large file
+SAMPLES_PER_FILE = 16
+WHOLE_FILE_BYTES = 64 << 20  # hash files up to this size completely
+
+
+def _file_digest(path: Path, digest) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        if size <= WHOLE_FILE_BYTES:
+            digest.update(f.read())
+            return
+        for i in range(SAMPLES_PER_FILE):  # the header (shapes, dtypes) first, then evenly spaced samples to the end
+            f.seek((size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+
+
+def weights_fingerprint(source: str, model: torch.nn.Module) -> str:
+    """A cheap fingerprint of the weights a model came from (an adapted run's base, a preference run's reference): of its files
+    for a local dir or file (small files whole, large ones by their header and
+    16 samples of 1 MiB), of the Hub commit for a Hub id, and of the weights
+    themselves for a preset built from a seed (small by definition)."""
+    digest = hashlib.sha256()
+    path = Path(source)
+    if path.is_file():
+        _file_digest(path, digest)
+    elif path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json"))
+        for file in files:
+            _file_digest(file, digest)
+    elif commit := getattr(model.config, "_commit_hash", None):
+        digest.update(f"hub:{source}@{commit}".encode())
+    else:
+        for name, tensor in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]

@@ -23,7 +23,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
                                 weight_decay=cfg.weight_decay, fused=True)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    # No empty group (adapters are all matrices): DeepSpeed drops one, and the schedule would then count one too many.
+    # No empty group (adapters are all matrices): ZeRO's engine drops one, and the schedule would then count one too many.
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=True)

@@ -286,7 +286,7 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "mixed_precision": acc.mixed_precision,
         "total_params": run.shards.total_params,
         "trainable_params": trainable,
-        "peft": run.cfg.peft,
+        **run.task.method.summary_facts(),
         "method": run.cfg.method,
         **run.task.summary_facts(),  # a preference run's reference: its parameters on each rank
         "fsdp_units": run.fsdp_units,

@@ -325,7 +325,7 @@ def train_step(run: Run) -> StepResult:
     means (those weigh the targets of short micro-batches more). The targets
     are known from the labels, so their count over all ranks is summed before
     the first forward and every backward carries its exact weight: nothing is
-    rescaled afterwards (DeepSpeed steps inside the last backward)."""
+    rescaled afterwards (ZeRO steps inside the last backward)."""
     acc, model, cfg = run.accelerator, run.model, run.cfg
     start = time.perf_counter()
     micro_batches = run.train_batches.take(run.progress.epoch, cfg.gradient_accumulation_steps)
@@ -335,10 +335,10 @@ def train_step(run: Run) -> StepResult:
     count, stop_votes = acc.reduce(torch.tensor(
         [sum(run.task.targets(batch) for batch in micro_batches), run.stop.flag], dtype=torch.float64,
         device=acc.device), reduction="sum").tolist()
-    # Accelerate (or DeepSpeed) divides every micro-batch by the accumulation
+    # Accelerate (or ZeRO's engine) divides every micro-batch by the accumulation
     # steps and the gradient reduction averages over the ranks: undo both.
     weight = cfg.gradient_accumulation_steps * acc.num_processes / max(count, 1)
-    # Accelerate syncs the gradients (and DeepSpeed steps) when its counter
+    # Accelerate syncs the gradients (and ZeRO steps) when its counter
     # reaches gradient_accumulation_steps: start it so the step's last micro-batch does.
     acc.step = cfg.gradient_accumulation_steps - len(micro_batches)
     metric_names = run.task.step_metrics

@@ -264,8 +264,7 @@ class FSDP1(FSDP2):
     checkpoints_leave_out_stored_state = False
 
     frozen_model_refusal = ("finetune shards a frozen reference model under FSDP2 (and DeepSpeed), not FSDP1; "
-                            "launch with `--config_file $(finetune configs --path fsdp)`, or pass --peft lora (the "
-                            "reference is then the base with the adapters off)")
+                            "launch with `--config_file $(finetune configs --path fsdp)`")
 
     def weights_from_main_process(self, accelerator: Accelerator) -> bool:
         return False

@@ -27,6 +27,8 @@ class FullFineTune:
     each_rank_loads_the_base: ClassVar[bool] = False  # no weights sent from the main process (QLoRA's 4-bit copy)
     four_bit_bytes_per_weight: ClassVar[float] = 0.0  # the planner's size of a weight it holds in 4 bits
     saves_adapters: ClassVar[bool] = False  # its checkpoints hold adapters, not the base: exports build the base again
+    # How a preference run does without a frozen copy of the model.
+    without_a_reference_copy: ClassVar[str] = "pass --peft lora (the reference is then the base with the adapters off)"
 
     def __init__(self, cfg: "TrainConfig | None" = None):
         self.cfg = cfg
@@ -44,6 +46,10 @@ class FullFineTune:
              record_base: bool) -> torch.nn.Module:
         """The model to train, from the base loaded from `source`."""
         return model
+
+    def summary_facts(self) -> dict:
+        """summary.json's record of the method."""
+        return {"peft": self.name}
 
     def trainable_note(self, trainable: int) -> str:
         """What the start line adds about the parameters that train."""

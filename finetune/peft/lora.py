@@ -8,7 +8,6 @@ fingerprint; the final model and `finetune export` merge them into the base
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import warnings
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from finetune.errors import UsageError
-from finetune.model_dir import MODEL_CONFIG_DIR, Weights, atomic_dir
+from finetune.model_dir import MODEL_CONFIG_DIR, Weights, atomic_dir, weights_fingerprint
 from finetune.parameters import canonical_name
 from finetune.peft.base import FullFineTune
 
@@ -158,55 +157,13 @@ def _delta_weight(layer, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Te
 
 # --- which base the adapters belong to -------------------------------------------------------------
 
-SAMPLE_BYTES = 1 << 20     # read this much at each sampled offset of a large file
-SAMPLES_PER_FILE = 16
-WHOLE_FILE_BYTES = 64 << 20  # hash files up to this size completely
-
-
-def _file_digest(path: Path, digest) -> None:
-    size = path.stat().st_size
-    digest.update(f"{path.name}:{size}".encode())
-    with path.open("rb") as f:
-        if size <= WHOLE_FILE_BYTES:
-            digest.update(f.read())
-            return
-        for i in range(SAMPLES_PER_FILE):  # the header (shapes, dtypes) first, then evenly spaced samples to the end
-            f.seek((size - SAMPLE_BYTES) * i // (SAMPLES_PER_FILE - 1))
-            digest.update(f.read(SAMPLE_BYTES))
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-
-
-def base_fingerprint(source: str, model: PreTrainedModel) -> str:
-    """A cheap fingerprint of the weights a run's base came from: of its files
-    for a local dir or file (small files whole, large ones by their header and
-    16 samples of 1 MiB), of the Hub commit for a Hub id, and of the weights
-    themselves for a preset built from a seed (small by definition)."""
-    digest = hashlib.sha256()
-    path = Path(source)
-    if path.is_file():
-        _file_digest(path, digest)
-    elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json"))
-        for file in files:
-            _file_digest(file, digest)
-    elif commit := getattr(model.config, "_commit_hash", None):
-        digest.update(f"hub:{source}@{commit}".encode())
-    else:
-        for name, tensor in model.state_dict().items():
-            digest.update(name.encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def base_shapes(model: PreTrainedModel) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
 def base_record(source: str, model: PreTrainedModel) -> dict:
     """What a LoRA checkpoint keeps of its base (BASE_RECORD): where it came from, its shapes and fingerprint."""
-    return {"model": source, "shapes": base_shapes(model), "fingerprint": base_fingerprint(source, model)}
+    return {"model": source, "shapes": base_shapes(model), "fingerprint": weights_fingerprint(source, model)}
 
 
 def check_same_base(recorded: dict, current: dict, where: Path) -> None:

@@ -3,7 +3,7 @@ task's model and tokenizer, preference pairs for data (data/preference.py),
 and a loss on each pair's completion log-probs (methods/preference.py).
 
 Chosen and rejected go through one forward, stacked. The reference DPO
-compares with is the base with the adapters off under LoRA (no second copy),
+compares with is the base with the adapters off when adapters train (no second copy),
 or a frozen model laid out as the trained one is (sharded under FSDP2), with
 no gradients and no optimizer state. Dropout is off, as in TRL: at step 1 the
 policy and the reference then agree, and the DPO loss is ln 2.
@@ -69,7 +69,7 @@ class PreferenceLM(CausalLM):
         copy_needed = self.objective.needs_reference and not self.method.saves_adapters
         if copy_needed and backend.frozen_model_refusal:
             raise UsageError(f"--method {self.cfg.method} with every parameter trained needs a frozen reference "
-                             f"model: {backend.frozen_model_refusal}")
+                             f"model: {backend.frozen_model_refusal}, or {self.method.without_a_reference_copy}")
         self.accelerator = accelerator
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)
@@ -265,9 +265,9 @@ def precompute_reference(task: PreferenceLM, accelerator: Accelerator, model: to
 
 def _cache_key(task: PreferenceLM, accelerator: Accelerator, model) -> str:
     """What the scores depend on: the pairs' tokens and labels, the reference's
-    weights (a LoRA base's recorded fingerprint, or the reference's files, or
-    a preset's weights on the main process), and the precision."""
-    from finetune.peft.lora import base_fingerprint
+    weights (the recorded fingerprint of an adapted base, or the reference's
+    files, or a preset's weights on the main process), and the precision."""
+    from finetune.model_dir import weights_fingerprint
 
     cfg = task.cfg
     if task.method.saves_adapters:
@@ -275,7 +275,7 @@ def _cache_key(task: PreferenceLM, accelerator: Accelerator, model) -> str:
     elif cfg.reference_model and not Path(cfg.reference_model).exists():
         reference = f"hub:{cfg.reference_model}"
     else:
-        reference = base_fingerprint(cfg.reference_model or task.model_source, model)
+        reference = weights_fingerprint(cfg.reference_model or task.model_source, model)
     digest = hashlib.sha256(json.dumps({"reference": reference, "dtype": cfg.model_dtype,
                                         "mixed_precision": accelerator.mixed_precision}).encode())
     for split in task.splits:
