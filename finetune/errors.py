@@ -15,6 +15,10 @@ line saying where to resume, exit code 128 + the signal number, as shells report
 a process ended by that signal.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 class UsageError(Exception):
     exit_code = 2
@@ -34,10 +38,8 @@ class NotDistributed(Exception):
     exit_code = 1
 
 
-def not_a_file(path) -> str:
+def not_a_file(path: str | Path) -> str:
     """Why a path the user named as a file cannot be read as one."""
-    from pathlib import Path
-
     return "is a directory, not a file" if Path(path).is_dir() else "does not exist"
 
 

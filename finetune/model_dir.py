@@ -225,10 +225,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 def weights_fingerprint(source: str, model: torch.nn.Module) -> str:
-    """A cheap fingerprint of the weights a model came from (an adapted run's base, a preference run's reference): of its files
-    for a local dir or file (small files whole, large ones by their header and
-    16 samples of 1 MiB), of the Hub commit for a Hub id, and of the weights
-    themselves for a preset built from a seed (small by definition)."""
+    """A cheap fingerprint of the weights a model came from (an adapted run's
+    base, a preference run's reference): of its files for a local dir or file
+    (small files whole, large ones by their header and 16 samples of 1 MiB), of
+    the Hub commit for a Hub id, and of the weights themselves for a preset
+    built from a seed (small by definition)."""
     digest = hashlib.sha256()
     path = Path(source)
     if path.is_file():

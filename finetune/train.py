@@ -202,7 +202,8 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
     checkpoints = CheckpointManager(
         accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=cfg.checkpoint_every_epochs,
-        keep_last=cfg.keep_last, at_end=cfg.checkpoint_at_end, config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
+        keep_last=cfg.keep_last, at_end=cfg.checkpoint_at_end,
+        config_yaml=f"# {defaults_note(cfg)}\n" + yaml.safe_dump(
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              "inputs": inputs},

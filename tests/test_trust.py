@@ -592,10 +592,9 @@ def test_a_directory_named_as_a_file_is_called_one(option, tmp_path, small_corpu
     """Not "does not exist": the path is there, and the fix is to name the file in it."""
     named = tmp_path / ("model.gguf" if option == "--model" else "template")
     named.mkdir()
-    args = ["train", "--output_dir", tmp_path / "run", "--dataset", small_corpus, option, named]
-    if option == "--chat_template":
-        args += ["--data_format", "chat", "--dataset", write_jsonl(tmp_path / "chat.jsonl", conversations(8))]
-    proc = run_in_process(*args)
+    data = (["--data_format", "chat", "--dataset", write_jsonl(tmp_path / "chat.jsonl", conversations(8))]
+            if option == "--chat_template" else ["--dataset", small_corpus])
+    proc = run_in_process("train", "--output_dir", tmp_path / "run", *data, option, named)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{named} is a directory, not a file" in one_error_line(proc.stderr)
     assert not (tmp_path / "run").exists()
