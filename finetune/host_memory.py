@@ -63,13 +63,28 @@ class HostMemory:
         return max(self._earlier_peak, self.peak())
 
     def restart(self) -> int:
-        """Start a new phase: returns the resident set now, the base of the phase's rise."""
+        """Start a new phase: returns the resident set now, the base of the phase's rise.
+        The heaps first hand back what they keep freed (up to the trim threshold,
+        keep_freed_memory_in_process): otherwise the phase reuses it unseen, and
+        its rise reads low by as much (a 355 M model's final save on rank 0 read
+        206 MB in some runs and 506 MB in others)."""
         self._earlier_peak = self.lifetime_peak()
+        release_freed_memory()
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             pass  # not Linux, or not allowed: the phase's peak is then the lifetime's
         return resident_bytes()
+
+
+def release_freed_memory() -> None:
+    """glibc's malloc_trim(0): free heap pages go back to the OS, in every arena."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing kept to hand back
+        pass
 
 
 def resident_bytes() -> int:
