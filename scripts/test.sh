@@ -4,8 +4,11 @@
 #   FINETUNE_TEST_WORKERS  test files run at once (default 2; 0 runs them in this process)
 # Two workers keep both cores busy: much of a run is one process starting up.
 # The tests marked `alone` hold runs' resident sets against tight bounds, which
-# another worker's runs disturb: they run first, with nothing beside them.
+# another worker's runs disturb: they run first, with only the light files
+# (conftest.BESIDE_THE_ALONE) beside them.
 FINETUNE_EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -n 0 -m alone "$@" || [ $? -eq 5 ]  # 5: the arguments selected none of them
-python -m pytest -n "${FINETUNE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -m "not alone" "$@"
+workers="${FINETUNE_TEST_WORKERS:-2}"
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "alone or beside_alone" "$@" \
+    || [ $? -eq 5 ]  # 5: the arguments selected none of them
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not beside_alone" "$@"

@@ -27,25 +27,29 @@ CONFIGS = REPO / "accelerate_configs"
 
 
 # The suite runs on two workers, a test file each (scripts/test.sh: pytest-xdist,
-# --dist loadfile), handed out in collection order:
-# - the 355 M model's file first (its families; its memory-bound tests are
-#   marked `alone` and run before, on their own), with the files that run in
-#   process beside it: they need little memory;
-# - then the longest files, so that the short ones fill in at the end (started
-#   last, a long one would leave the other worker idle for minutes).
+# --dist loadfile), handed out in collection order, in two phases:
+# - first the tests marked `alone` (the 355 M model's resident-set bounds) on one
+#   worker, and beside them, on the other, the files in BESIDE_THE_ALONE: they
+#   launch no big run and need little memory, and the alone runs leave a core idle;
+# - then the rest: the longest files first, so that the short ones fill in at the
+#   end (started last, a long one would leave the other worker idle for minutes).
 # The rest keep their order.
-SCHEDULE = ["test_large_models.py",
-            "test_units.py", "test_mutations.py", "test_internals.py", "test_images.py", "test_loop.py",
-            "test_step_memory.py", "test_export.py", "test_logs.py", "test_sft.py", "test_fsdp_train.py",
-            "test_trainer_names.py",
+BESIDE_THE_ALONE = ["test_units.py", "test_mutations.py", "test_internals.py", "test_images.py", "test_loop.py",
+                    "test_step_memory.py"]
+SCHEDULE = ["test_large_models.py", *BESIDE_THE_ALONE,
             "test_cnn.py", "test_memory_planner.py", "test_quickstart.py", "test_deepspeed.py", "test_trust.py",
             "test_resume.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",
-            "test_errors.py"]
+            "test_errors.py", "test_export.py", "test_logs.py", "test_sft.py", "test_fsdp_train.py",
+            "test_trainer_names.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker it adds
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SCHEDULE)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if item.path.name in BESIDE_THE_ALONE:
+            item.add_marker("beside_alone")
 
 
 def free_port() -> int:
