@@ -96,6 +96,7 @@ class Run:
 
     def evaluate(self) -> dict:
         result = self.task.evaluate(self.model, self.eval_loader, self.accelerator)
+        self.backend.after_evaluation(self.model)
         self.log({"step": self.progress.step, "epoch": self.progress.epoch, **result})
         self.evals.append((self.progress.step, result))
         say(self.accelerator, evaluation_line(self.progress.step, result, self.task.metric_name))

@@ -136,6 +136,9 @@ class Backend:
     def after_prepare(self, model: torch.nn.Module) -> None:
         """Adjusts the prepared model to the machine."""
 
+    def after_evaluation(self, model: torch.nn.Module) -> None:
+        """Frees what forward passes without a backward left gathered."""
+
     # A model that only runs forward (a preference method's frozen reference).
     frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead
 
