@@ -266,8 +266,8 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, at_end: bool = True, config_yaml: str,
-                 tokenizer: PreTrainedTokenizerBase | None, method: ModelFilesPolicy, data: EpochBatches, backend: Backend | None = None,
-                 allow_unverified: bool = False):
+                 tokenizer: PreTrainedTokenizerBase | None, method: ModelFilesPolicy, data: EpochBatches,
+                 backend: Backend | None = None, allow_unverified: bool = False):
         self.accelerator = accelerator
         self.allow_unverified = allow_unverified  # --allow_unverified_checkpoint: a resume may read one without a manifest
         self.backend = backend or Backend()  # the layout this run writes and reads

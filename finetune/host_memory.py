@@ -17,6 +17,17 @@ MIB = 1024**2
 MMAP_THRESHOLD_BYTES = 32 * MIB
 
 
+def glibc() -> ctypes.CDLL | None:
+    """The C library whose malloc this process uses, where it is glibc's."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
 def keep_freed_memory_in_process() -> None:
     """On CPU every step allocates and frees the same activation and gradient
     buffers. glibc returns large freed blocks to the OS (mmap/munmap, heap
@@ -26,11 +37,8 @@ def keep_freed_memory_in_process() -> None:
     threshold and two arenas bound what the heaps keep beyond that: with a 1 GiB
     trim threshold and glibc's many per-thread arenas, a GPT-2 124M rank's RSS
     crept up by 0.5 GB over its first 30 steps before levelling off."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): leave the allocator alone
+    libc = glibc()
+    if libc is None:  # not glibc (e.g. musl, macOS): leave the allocator alone
         return
     m_trim_threshold, m_top_pad, m_mmap_threshold, m_arena_max = -1, -2, -3, -8
     libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -66,8 +74,7 @@ class HostMemory:
         """Start a new phase: returns the resident set now, the base of the phase's rise.
         The heaps first hand back what they keep freed (up to the trim threshold,
         keep_freed_memory_in_process): otherwise the phase reuses it unseen, and
-        its rise reads low by as much (a 355 M model's final save on rank 0 read
-        206 MB in some runs and 506 MB in others)."""
+        its rise reads low by as much."""
         self._earlier_peak = self.lifetime_peak()
         release_freed_memory()
         try:
@@ -79,12 +86,8 @@ class HostMemory:
 
 def release_freed_memory() -> None:
     """glibc's malloc_trim(0): free heap pages go back to the OS, in every arena."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing kept to hand back
-        pass
+    if (libc := glibc()) is not None:
+        libc.malloc_trim(0)
 
 
 def resident_bytes() -> int:
