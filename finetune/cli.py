@@ -187,12 +187,20 @@ def _add_resume(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir (one process, CPU)")
+    export = sub.add_parser("export", help="merge a sharded checkpoint into a HF model dir, or write a GGUF file "
+                                           "(one process, CPU)")
     export.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
-                        help="a checkpoints/step_NNNNNN dir, or a run dir (its newest complete checkpoint)")
-    export.add_argument("--output", required=True, metavar="DIR", help="the model dir to write")
-    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="dtype of the stored weights (default: 'float32')")
+                        help="a checkpoints/step_NNNNNN dir, or a run dir (its newest complete checkpoint); "
+                             "with --format gguf also a model dir (a run's final/, an export)")
+    export.add_argument("--output", required=True, metavar="DIR_OR_FILE",
+                        help="the model dir to write; with --format gguf, the NAME.gguf file")
+    export.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                        help="a HF model dir in safetensors, or one GGUF file for llama.cpp / Ollama (Llama, "
+                             "SmolLM2, Mistral, Qwen2, GPT-2) (default: 'safetensors')")
+    export.add_argument("--gguf_type", choices=["f16", "bf16", "q8_0"], default=None,
+                        help="--format gguf: how matrices are stored; vectors stay float32 (default: 'f16')")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="--format safetensors: dtype of the stored weights (default: 'float32')")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output (default: False)")
     export.add_argument("--max_shard_size", type=byte_size, default="2GB",
                         help="split the weights into files of at most this size (default: '2GB')")
@@ -386,13 +394,24 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
-    from finetune.export import export_checkpoint
+    from finetune.export import export_checkpoint, export_gguf
 
     threads = use_cpu_threads()
-    out = export_checkpoint(args.source, args.output, dtype=args.dtype, overwrite=args.overwrite, model=args.model,
-                            max_shard_size=args.max_shard_size, adapter_only=args.adapter_only,
-                            trust_remote_code=args.trust_remote_code,
-                            allow_unverified=args.allow_unverified_checkpoint)
+    checkpoint_options = dict(overwrite=args.overwrite, model=args.model, trust_remote_code=args.trust_remote_code,
+                              allow_unverified=args.allow_unverified_checkpoint)
+    if args.format == "gguf":
+        for option, given in (("--dtype", args.dtype), ("--adapter_only", args.adapter_only)):
+            if given:
+                raise UsageError(f"{option} is for --format safetensors; a GGUF holds the merged model, "
+                                 "stored as --gguf_type f16|bf16|q8_0 says")
+        out = export_gguf(args.source, args.output, args.gguf_type or "f16",
+                          progress=lambda line: print(line, file=sys.stderr, flush=True), **checkpoint_options)
+    else:
+        if args.gguf_type:
+            raise UsageError("--gguf_type is for --format gguf; pass --format gguf, or --dtype for safetensors")
+        out = export_checkpoint(args.source, args.output, dtype=args.dtype or "float32",
+                                max_shard_size=args.max_shard_size, adapter_only=args.adapter_only,
+                                **checkpoint_options)
     print(f"exported {args.source} -> {out}")
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0

@@ -1,11 +1,14 @@
 """`finetune export`: merge the model of a checkpoint (the sharded layout of
 any backend, written by any number of ranks) in one process on CPU, with no
 process group, long after training, and write it as a Hugging Face model dir
-(model_dir.py). Each backend reads its own layout (finetune/backends).
+(model_dir.py), or (`--format gguf`) as one GGUF file (gguf_export.py). Each
+backend reads its own layout (finetune/backends).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -122,3 +125,55 @@ def run_task(checkpoint_dir: Path, base_model: str | None, trust_remote_code: bo
     if is_gguf(cfg.model):
         task.model_source = str(converted_dir(cfg.model))
     return task
+
+
+def is_model_dir(path: Path) -> bool:
+    """A HF model dir (an export, a run's final/): its config at the top, unlike a checkpoint or a run dir."""
+    return (path / "config.json").is_file() and not (path / "checkpoints").is_dir()
+
+
+def check_output_file(output: Path, overwrite: bool) -> None:
+    if output.suffix != ".gguf":
+        raise UsageError(f"--output {output}: a GGUF export writes one file; name it NAME.gguf")
+    if output.is_dir():
+        raise UsageError(f"--output {output} is a directory; name the .gguf file to write")
+    if output.exists() and not overwrite:
+        raise UsageError(f"--output {output} exists; pass --overwrite or choose another --output")
+    parent = output.absolute().parent
+    existing = next(p for p in [parent, *parent.parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UsageError(f"cannot write {output} ({existing} is not a writable directory); choose another --output")
+
+
+def export_gguf(source: str | Path, output: str | Path, gguf_type: str = "f16", overwrite: bool = False,
+                progress=lambda line: None, **checkpoint_options) -> Path:
+    """A model dir, a checkpoint or a run (its newest checkpoint; LoRA merged)
+    as one GGUF file. A checkpoint goes through a float32 model dir beside the
+    output first (the export above), removed once the file is written."""
+    from finetune.gguf_export import family_of, write_gguf
+
+    source, output = Path(source), Path(output)
+    check_output_file(output, overwrite)
+    if is_model_dir(source):
+        return written_gguf(lambda: write_gguf(source, output, gguf_type, progress=progress), output)
+    check_not_inside(output, source)
+    _, weights = find_model_weights(source)
+    if (config_dir := weights.parent / MODEL_CONFIG_DIR).is_dir():  # refused before the (possibly long) merge
+        family_of(AutoConfig.from_pretrained(config_dir, trust_remote_code=False))
+    staging = output.absolute().parent / f".{output.name}.hf-tmp-{os.getpid()}"
+    try:
+        progress(f"merging {source} into a model dir first ({staging})")
+        export_checkpoint(source, staging, **checkpoint_options)
+        name = (source if (source / "checkpoints").is_dir() else source.parent.parent).name
+        return written_gguf(lambda: write_gguf(staging, output, gguf_type, name=name, progress=progress), output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def written_gguf(write, output: Path) -> Path:
+    try:
+        return write()
+    except OSError as e:  # a full disk, a read-only dir; the temporary file is already gone
+        reason = e.strerror or str(e).strip().splitlines()[0]
+        raise UsageError(f"could not write {output} ({reason}); nothing was left in its place: "
+                         f"{write_failure_fix(reason, output.parent)}, or choose another --output") from None

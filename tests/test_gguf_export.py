@@ -1,0 +1,215 @@
+"""`finetune export --format gguf`: the file reads back through transformers'
+own GGUF reader (the `gguf` package underneath) with the tokenizer's ids, its
+chat template and the model's logits; where llama-cpp-python is installed,
+llama.cpp itself runs it. The export streams tensor by tensor, and refuses
+what it cannot convert in one line, leaving any existing file alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, check_ok, run_in_process
+from sft_models import CHATML, chat_tokenizer, conversations, save_chat_model
+from test_errors import one_error_line
+
+gguf = pytest.importorskip("gguf")
+
+TEXTS = ["the model reads a file and returns its lines", "  two spaces, digits 12345 and a tab\there",
+         "unknown words: zyxt qoph \u00e9t\u00e9 \u4e2d\u6587 \U0001f600", "<|im_start|>user\nhello<|im_end|>\n"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what changes at all"},
+        {"role": "assistant", "content": "nothing changes 42"}]
+# Largest |logit error| / max |logit| measured over the four families here: f16 3.4e-4, bf16 2.9e-3, q8_0 1.0e-2.
+LOGIT_BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2}
+
+
+def save_gpt2_model(path):
+    """GPT-2 with its real 1024 positions: transformers' GGUF reader sizes GPT-2's
+    position table at 1024 whatever the file says (llama.cpp reads the file's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tokenizer), n_positions=1024,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                    ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_mistral_model(path):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    llama = save_chat_model(path.parent / "llama-for-mistral")
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                                     eos_token_id=tokenizer.eos_token_id)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+FAMILIES = {"llama": lambda path: save_chat_model(path, "llama", tie=False),   # untied, grouped-query attention
+            "qwen2-tied": lambda path: save_chat_model(path, "qwen2", tie=True),  # q/k/v biases, tied embeddings
+            "mistral": save_mistral_model,
+            "gpt2": save_gpt2_model}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-models")
+    return {family: save(root / f"tiny-{family}") for family, save in FAMILIES.items()}
+
+
+def refused(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    return one_error_line(proc.stderr)
+
+
+def gguf_fields(path) -> dict:
+    reader = gguf.GGUFReader(str(path))
+    return {"reader": reader, **{name: field.contents() for name, field in reader.fields.items()
+                                 if not name.startswith("tokenizer.ggml.")}}
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, model_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = model_dirs[family]
+    out = tmp_path / f"{family}-{gguf_type}.gguf"
+    check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
+
+    fields = gguf_fields(out)
+    expected_type = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+                     "q8_0": gguf.GGMLQuantizationType.Q8_0}[gguf_type]
+    for tensor in fields["reader"].tensors:  # matrices as asked (all rows here are whole q8_0 blocks), vectors f32
+        assert tensor.tensor_type == (expected_type if len(tensor.shape) == 2 else gguf.GGMLQuantizationType.F32)
+    assert fields["general.architecture"] == {"gpt2": "gpt2", "qwen2-tied": "qwen2"}.get(family, "llama")
+    assert fields["tokenizer.chat_template"] == CHATML
+
+    reference_tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    for text in [*TEXTS, reference_tokenizer.apply_chat_template(CHAT, tokenize=False)]:
+        assert tokenizer(text)["input_ids"] == reference_tokenizer(text)["input_ids"], text
+    assert tokenizer.apply_chat_template(CHAT, tokenize=False) == reference_tokenizer.apply_chat_template(
+        CHAT, tokenize=False)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (reference_tokenizer.bos_token_id,
+                                                                 reference_tokenizer.eos_token_id)
+
+    ids = torch.tensor([reference_tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]])
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(source).eval()(ids).logits
+        read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
+                                                         dtype=torch.float32).eval()(ids).logits
+    error = ((read_back - reference).abs().max() / reference.abs().max()).item()
+    assert error < LOGIT_BOUND[gguf_type], error
+    agree = (read_back.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    assert agree == 1.0 if gguf_type == "f16" else agree >= 0.9, agree
+
+
+def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs, tmp_path):
+    """llama.cpp's own loader and kernels, through llama-cpp-python (a source
+    build: `pip install llama-cpp-python`, with cmake and a C++ compiler)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for family, source in model_dirs.items():
+        for gguf_type in ("f16", "q8_0"):
+            out = tmp_path / f"{family}-{gguf_type}.gguf"
+            check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
+            ids = AutoTokenizer.from_pretrained(source)(TEXTS[0])["input_ids"]
+            model = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False)
+            assert model.tokenize(TEXTS[0].encode(), add_bos=False, special=True) == ids, (family, gguf_type)
+            model.eval(ids)
+            theirs = torch.tensor(np.array(model.scores[:len(ids)]))
+            with torch.no_grad():
+                ours = AutoModelForCausalLM.from_pretrained(source).eval()(torch.tensor([ids])).logits[0]
+            error = ((theirs - ours).abs().max() / ours.abs().max()).item()
+            assert error < LOGIT_BOUND[gguf_type], (family, gguf_type, error)
+            assert torch.equal(theirs.argmax(-1), ours.argmax(-1)) or gguf_type != "f16", (family, gguf_type)
+
+
+def test_the_export_streams_one_tensor_at_a_time(tmp_path):
+    """A 102 MB Llama whose largest tensor is 4.2 MB: the export's peak RSS
+    stays within its baseline (after a small export) plus 6 of the largest
+    tensor, a fifth of the model, and the file is written tensor by tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small, big = save_chat_model(tmp_path / "small"), tmp_path / "big"
+    tokenizer_dir = small
+    config = LlamaConfig(vocab_size=400, hidden_size=1024, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(big)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    del model
+    for file in tokenizer_dir.glob("tokenizer*"):
+        (big / file.name).write_bytes(file.read_bytes())
+    assert model_bytes > 24 * largest
+    script = f"""
+from pathlib import Path
+from finetune.cli import main
+
+def status(field):  # bytes
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+assert main(["export", {str(small)!r}, "--format", "gguf", "--output", {str(tmp_path / "small.gguf")!r}]) == 0
+baseline = status("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+assert main(["export", {str(big)!r}, "--format", "gguf", "--output", {str(tmp_path / "big.gguf")!r}]) == 0
+print("rise", status("VmHWM") - baseline)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    rise = int(proc.stdout.split("rise")[-1])
+    assert rise < 6 * largest, (rise, largest, model_bytes)
+    assert (tmp_path / "big.gguf").stat().st_size > model_bytes // 2 - 1  # f16 matrices, every tensor written
+
+
+def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dirs, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path / "model.gguf"
+    out.write_bytes(b"the user's own file")
+    line = refused(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out))
+    assert "exists" in line and "--overwrite" in line
+    assert out.read_bytes() == b"the user's own file"
+
+    opt = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=400,
+                             word_embed_proj_dim=32)).save_pretrained(opt)
+    line = refused(run_in_process("export", opt, "--format", "gguf", "--output", tmp_path / "opt.gguf"))
+    assert "'opt'" in line and "Llama" in line and "GPT-2" in line and "--format safetensors" in line
+
+    word_pieces = tmp_path / "word-pieces"
+    save_chat_model(word_pieces)
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "the": 1, "model": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    for file in word_pieces.glob("tokenizer*"):
+        file.unlink()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(word_pieces)
+    line = refused(run_in_process("export", word_pieces, "--format", "gguf", "--output", tmp_path / "w.gguf"))
+    assert "byte-level BPE" in line and "WordPiece" in line
+
+    for bad, words in ((["--output", tmp_path / "a-dir"], "NAME.gguf"),
+                       (["--output", tmp_path / "x.gguf", "--dtype", "bfloat16"], "--gguf_type"),
+                       (["--output", tmp_path / "x.gguf", "--adapter_only"], "--gguf_type")):
+        line = refused(run_in_process("export", model_dirs["llama"], "--format", "gguf", *bad))
+        assert words in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "opt", "word-pieces"]  # nothing else written
+    assert out.read_bytes() == b"the user's own file"
+    check_ok(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out, "--overwrite"))
+    assert out.read_bytes()[:4] == b"GGUF"
