@@ -35,7 +35,7 @@ CONFIGS = REPO / "accelerate_configs"
 #   end (started last, a long one would leave the other worker idle for minutes).
 # The rest keep their order.
 BESIDE_THE_ALONE = ["test_units.py", "test_mutations.py", "test_internals.py", "test_images.py", "test_loop.py",
-                    "test_step_memory.py"]
+                    "test_step_memory.py", "test_gguf_export.py"]
 SCHEDULE = ["test_large_models.py", *BESIDE_THE_ALONE,
             "test_cnn.py", "test_memory_planner.py", "test_quickstart.py", "test_deepspeed.py", "test_trust.py",
             "test_resume.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",

@@ -138,9 +138,9 @@ def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs,
 
 
 def test_the_export_streams_one_tensor_at_a_time(tmp_path):
-    """A 102 MB Llama whose largest tensor is 4.2 MB: the export's peak RSS
-    stays within its baseline (after a small export) plus 6 of the largest
-    tensor, a fifth of the model, and the file is written tensor by tensor."""
+    """A 238 MB Llama whose largest tensor is 4.2 MB: the export's peak RSS
+    stays within its baseline (after a small export) plus 10 of the largest
+    tensor, a sixth of the model (measured: 23 MB), and every tensor is written."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     small, big = save_chat_model(tmp_path / "small"), tmp_path / "big"
@@ -156,7 +156,7 @@ def test_the_export_streams_one_tensor_at_a_time(tmp_path):
     del model
     for file in tokenizer_dir.glob("tokenizer*"):
         (big / file.name).write_bytes(file.read_bytes())
-    assert model_bytes > 24 * largest
+    assert model_bytes > 50 * largest
     script = f"""
 from pathlib import Path
 from finetune.cli import main
@@ -174,7 +174,7 @@ print("rise", status("VmHWM") - baseline)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     check_ok(proc)
     rise = int(proc.stdout.split("rise")[-1])
-    assert rise < 6 * largest, (rise, largest, model_bytes)
+    assert rise < 10 * largest, (rise, largest, model_bytes)
     assert (tmp_path / "big.gguf").stat().st_size > model_bytes // 2 - 1  # f16 matrices, every tensor written
 
 

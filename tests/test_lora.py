@@ -180,6 +180,29 @@ def test_exports_match_peft(lora_run, gpt2_dir, tmp_path):
     assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()  # still tied
 
 
+def test_gguf_export_of_a_lora_run_holds_the_merged_model(lora_run, tmp_path):
+    """From the run's newest checkpoint: every GGUF tensor is the merged
+    export's, in llama.cpp's layout (GPT-2's Conv1D weights as (out, in)),
+    to f16 rounding; the merged model dir it went through is gone."""
+    import gguf
+
+    assert run_in_process("export", lora_run, "--output", tmp_path / "merged").returncode == 0
+    check_ok(run_in_process("export", lora_run, "--format", "gguf", "--output", tmp_path / "out" / "lora.gguf"))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["lora.gguf"]
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, 2)
+    expected = {names.get_name(name, try_suffixes=(".weight", ".bias")): tensor for name, tensor in merged.items()}
+    expected["output.weight"] = merged["transformer.wte.weight"]  # tied: llama.cpp's GPT-2 reads an output matrix
+    read = {}
+    for tensor in gguf.GGUFReader(str(tmp_path / "out" / "lora.gguf")).tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        read[tensor.name] = torch.from_numpy(values.reshape(tuple(reversed(tensor.shape.tolist()))).copy())
+    assert read.keys() == expected.keys()
+    for name, tensor in expected.items():
+        conv1d = name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight"))
+        torch.testing.assert_close(read[name], tensor.t() if conv1d else tensor, rtol=1e-3, atol=1e-7, msg=name)
+
+
 def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
     changed = tmp_path / "changed"
     shutil.copytree(gpt2_dir, changed)

