@@ -21,6 +21,7 @@ from finetune.backends.base import Backend
 from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError, write_failure_fix
+from finetune.model_card import checkpoint_record, write_model_card
 from finetune.model_dir import check_output_dir, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.peft import method_of_checkpoint
@@ -105,9 +106,11 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
                                           lambda: task.base_model(tokenizer), task and task.model_source)
     tied = read_tied(model_files) if config_source == str(model_files) and not method.saves_adapters else None
     try:
-        return write_model_dir(model_weights, config, output, tokenizer=tokenizer, generation_config=generation_config,
-                               run_data=run_data(checkpoint_dir), dtype=dtype,
-                               max_shard_size=max_shard_size, overwrite=overwrite, tied=tied)
+        written = write_model_dir(model_weights, config, output, tokenizer=tokenizer,
+                                  generation_config=generation_config, run_data=run_data(checkpoint_dir), dtype=dtype,
+                                  max_shard_size=max_shard_size, overwrite=overwrite, tied=tied)
+        write_model_card(written, config, checkpoint_record(checkpoint_dir))
+        return written
     except (OSError, SafetensorError) as e:  # a full disk, a read-only dir; the temporary dir is already gone
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UsageError(f"could not write {output} ({reason}); it was left as it was: "

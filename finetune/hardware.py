@@ -30,6 +30,18 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def device_name(device: torch.device) -> str:
+    """What a rank computes on, as a person names it (its model card says so)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown model"
+    return f"CPU ({model}, {os.cpu_count()} cores)" if device.type == "cpu" else f"{device.type} ({model})"
+
+
 def slow_bf16_warning(accelerator: Accelerator) -> str | None:
     if accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_has_native_bf16():
         return ("warning: bf16 on this CPU (no avx512_bf16/amx_bf16) makes matmuls far slower than fp32; "

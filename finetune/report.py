@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from finetune.collectives import gather_ints
 from finetune.errors import UsageError
+from finetune.hardware import device_name
 from finetune.host_memory import peak_memory_bytes
 
 class JSONLTracker(GeneralTracker):
@@ -281,6 +282,7 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "model": run.cfg.model,
         "data_format": run.data.data_format,
         "world_size": acc.num_processes,
+        "device_name": device_name(acc.device),  # rank 0's
         "distributed_type": acc.distributed_type.value,
         **run.backend.summary_facts(acc),  # fsdp_version, zero_stage
         "mixed_precision": acc.mixed_precision,

@@ -46,6 +46,7 @@ from finetune.launch import record as launch_record
 from finetune.liveness import Heartbeats, is_collective_timeout
 from finetune.lock import RunLock, remove_new_run_dir
 from finetune.final_model import write_final_model
+from finetune.model_card import RunRecord, write_model_card
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
@@ -448,4 +449,7 @@ def finish(run: Run) -> dict:
                           trainable=trainable_params(run.model))
     if run.accelerator.is_main_process:
         write_summary(summary, run.run_dir)
+        loss_plot = run.run_dir / "loss.png"
+        write_model_card(final_dir, run.accelerator.unwrap_model(run.model).config,
+                         RunRecord(run.cfg.to_dict(), summary, loss_plot if loss_plot.is_file() else None))
     return summary

@@ -49,6 +49,46 @@ def test_export_equals_the_checkpointed_state_and_stays_tied(exported, checkpoin
         assert (exported / name).is_file()
 
 
+def test_every_model_dir_carries_a_model_card_of_its_step(exported, checkpointed_run, tmp_path):
+    """final/ and an export of the run's last checkpoint: the run's facts and
+    its last evaluation; an export of an earlier step: that step, and no
+    evaluation it did not have. The Hub's own parser reads the header."""
+    from huggingface_hub import ModelCard
+
+    summary = json.loads((checkpointed_run / "summary.json").read_text())
+    check_ok(finetune("export", checkpointed_run, "--output", tmp_path / "last"))
+    for model_dir in (checkpointed_run / "final", tmp_path / "last"):
+        card = ModelCard.load(model_dir / "README.md")
+        assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+        assert {"finetune", "sft"} <= set(card.data.tags) and card.data.base_model is None  # a preset: from scratch
+        assert f"{summary['last_eval']['perplexity']:.4f}" in card.text
+        assert f"| Steps | {summary['steps']} of 8 sequences" in card.text and "tiny-gpt2" in card.text
+        assert f"on {summary['device_name']}" in card.text and "FSDP2" in card.text
+        assert (model_dir / "loss.png").read_bytes() == (checkpointed_run / "loss.png").read_bytes()
+        assert f'AutoModelForCausalLM.from_pretrained("{model_dir}")' in card.text
+    early = ModelCard.load(exported / "README.md").text
+    assert "| Steps | 6 of 8 sequences" in early and "Not evaluated at step 6" in early
+    assert f"{summary['last_eval']['perplexity']:.4f}" not in early and not (exported / "loss.png").exists()
+
+
+def test_the_card_names_a_hub_base_and_the_license_a_local_base_states(tmp_path):
+    from transformers import GPT2Config
+
+    from finetune.model_card import RunRecord, model_card
+
+    local = tmp_path / "base"
+    local.mkdir()
+    (local / "README.md").write_text("---\nlicense: mit\n---\n# a base\n")
+    config = GPT2Config(n_layer=1)
+    options = {"dataset": "org/some-data", "method": "dpo", "peft": "lora", "lora_r": 4}
+    card = model_card(tmp_path / "out", config, RunRecord({**options, "model": str(local)}, {}))
+    header = card.split("---")[1]
+    assert "license: mit" in header and "base_model" not in header and "- org/some-data" in header
+    assert "- lora" in header and "- dpo" in header
+    card = model_card(tmp_path / "out", config, RunRecord({**options, "model": "org/base-model"}, {}))
+    assert "base_model: org/base-model" in card and "license" not in card.split("---")[1]
+
+
 def test_export_of_a_run_dir_takes_the_newest_checkpoint_and_matches_final(checkpointed_run, tmp_path, env):
     check_ok(finetune("export", checkpointed_run, "--output", tmp_path / "latest", env=env))
     ours = load_file(tmp_path / "latest" / "model.safetensors")

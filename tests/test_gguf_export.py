@@ -67,6 +67,16 @@ def model_dirs(tmp_path_factory):
     return {family: save(root / f"tiny-{family}") for family, save in FAMILIES.items()}
 
 
+def assert_same_next_tokens_beyond_ties(read_back: torch.Tensor, reference: torch.Tensor) -> None:
+    """The next token (argmax) is the same wherever the reference's top two
+    logits lie further apart than twice the largest logit error: only a tie
+    within the rounding may flip."""
+    tolerance = (read_back - reference).abs().max()
+    top_two = reference.topk(2, dim=-1).values
+    flipped = read_back.argmax(-1) != reference.argmax(-1)
+    assert ((top_two[..., 0] - top_two[..., 1])[flipped] <= 2 * tolerance).all(), (flipped.sum(), tolerance)
+
+
 def refused(proc) -> str:
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     return one_error_line(proc.stderr)
@@ -111,8 +121,7 @@ def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, mode
                                                          dtype=torch.float32).eval()(ids).logits
     error = ((read_back - reference).abs().max() / reference.abs().max()).item()
     assert error < LOGIT_BOUND[gguf_type], error
-    agree = (read_back.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    assert agree == 1.0 if gguf_type == "f16" else agree >= 0.9, agree
+    assert_same_next_tokens_beyond_ties(read_back, reference)
 
 
 def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs, tmp_path):
@@ -134,7 +143,7 @@ def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs,
                 ours = AutoModelForCausalLM.from_pretrained(source).eval()(torch.tensor([ids])).logits[0]
             error = ((theirs - ours).abs().max() / ours.abs().max()).item()
             assert error < LOGIT_BOUND[gguf_type], (family, gguf_type, error)
-            assert torch.equal(theirs.argmax(-1), ours.argmax(-1)) or gguf_type != "f16", (family, gguf_type)
+            assert_same_next_tokens_beyond_ties(theirs, ours)
 
 
 def test_the_export_streams_one_tensor_at_a_time(tmp_path):
