@@ -246,7 +246,7 @@ def _add_evaluate(sub) -> None:
                     "(its options are recorded next to the model, in finetune_run.json); with --dataset, on a whole "
                     "split of that data. Data options not given are the run's, else train's defaults; the block "
                     "size is the run's, else the model's context length capped at 1024.")
-    evaluate.add_argument("model_dir", help="an exported model dir or a run's final/")
+    evaluate.add_argument("model_dir", help="an exported model dir or a run's final/ (with --tasks also a .gguf file)")
     defaults = TrainConfig()
     for name in EVALUATE_DATA_OPTIONS:
         checked = {"block_size": positive_int, "validation_split": fraction, "max_eval_samples": non_negative_int}
@@ -263,6 +263,16 @@ def _add_evaluate(sub) -> None:
                                "held out, instead of a whole split (default: True without --dataset for a model a "
                                "run recorded, else False)")
     evaluate.add_argument("--per_device_batch_size", type=positive_int, default=8, help="samples per batch (default: 8)")
+    evaluate.add_argument("--tasks", default=None, metavar="NAMES",
+                          help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy; the shipped "
+                               "offline one: finetune_stdlib_qa) instead of perplexity; scores go into the model dir "
+                               "and its run's summary.json (pip install 'finetune[lm-eval]') (default: None)")
+    evaluate.add_argument("--tasks_dir", default=None, metavar="DIR",
+                          help="--tasks: a dir of your own lm-eval task YAML files (default: None)")
+    evaluate.add_argument("--limit", type=positive_int, default=None,
+                          help="--tasks: score only the first N documents of each task (default: all)")
+    evaluate.add_argument("--num_fewshot", type=non_negative_int, default=None,
+                          help="--tasks: examples in each prompt (default: each task's own)")
     evaluate.set_defaults(func=cmd_evaluate, subparser=evaluate)
 
 
@@ -435,6 +445,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from finetune.inference import evaluate_model_dir
 
     threads = use_cpu_threads()
+    if args.tasks:
+        from finetune.benchmarks import run_benchmarks
+
+        result = run_benchmarks(args.model_dir, args.tasks, args.tasks_dir, args.per_device_batch_size, args.limit,
+                                args.num_fewshot)
+        for task, scores in result["results"].items():
+            shown = ", ".join(f"{name.split(',')[0]} {value:.4f}" for name, value in scores.items()
+                              if "," in name and "stderr" not in name)
+            print(f"{task}: {shown}")
+        print(json.dumps(result))
+        print(cpu_threads_line(threads), file=sys.stderr)
+        return 0
+    for option in ("tasks_dir", "limit", "num_fewshot"):
+        if getattr(args, option) is not None:
+            raise UsageError(f"--{option} is for --tasks (lm-eval benchmarks); pass --tasks NAMES with it")
     given = {name: getattr(args, name) for name in EVALUATE_DATA_OPTIONS if getattr(args, name) is not None}
     result, notes = evaluate_model_dir(args.model_dir, given, args.dataset_split, args.held_out,
                                        args.per_device_batch_size)

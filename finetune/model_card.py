@@ -22,6 +22,7 @@ import yaml
 from finetune.presets import CNN_PRESETS, GPT2_PRESETS
 
 CARD = "README.md"
+CARD_RECORD = "finetune_card.json"  # the run record the card was written from, to write it again with new scores
 LM_EVAL_RESULTS = "lm_eval_results.json"  # written into a model dir by `finetune evaluate --tasks`
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -131,7 +132,7 @@ def evaluation_lines(model_dir: Path, facts: dict, lm_eval: dict) -> list[str]:
                      "on the run's validation data")
     for task, scores in sorted((lm_eval.get("results") or {}).items()):
         shown = ", ".join(f"{name.split(',')[0]} {value:.4f}" for name, value in scores.items()
-                          if isinstance(value, (int, float)) and "stderr" not in name)
+                          if "," in name and "stderr" not in name)
         lines.append(f"- lm-evaluation-harness `{task}`: {shown}")
     return lines or ["- No evaluation recorded."]
 
@@ -213,6 +214,19 @@ def write_model_card(model_dir: Path, config, record: RunRecord | None) -> Path:
     """README.md (and the run's loss.png beside it) in a model dir this tool wrote."""
     if record is not None and record.loss_plot is not None:
         shutil.copyfile(record.loss_plot, model_dir / "loss.png")
+    if record is not None:
+        (model_dir / CARD_RECORD).write_text(json.dumps({"config": record.config, "facts": record.facts}, indent=2))
     card = model_dir / CARD
     card.write_text(model_card(model_dir, config, record))
     return card
+
+
+def refresh_model_card(model_dir: Path) -> None:
+    """The card again, with the scores the dir holds now (a card this tool wrote only)."""
+    saved = read_json(model_dir / CARD_RECORD)
+    if not (model_dir / CARD).is_file() or not isinstance(saved.get("config"), dict):
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    (model_dir / CARD).write_text(model_card(model_dir, config, RunRecord(saved["config"], saved.get("facts") or {})))
