@@ -112,6 +112,7 @@ def training_rows(cfg: dict, facts: dict) -> list[tuple[str, str]]:
     layout = (f"FSDP{fsdp_version}" if fsdp_version else f"DeepSpeed ZeRO-{facts['zero_stage']}"
               if facts.get("zero_stage") is not None else facts.get("distributed_type") or launch.get("distributed_type"))
     precision = facts.get("mixed_precision") or accelerate_config.get("mixed_precision")
+    precision = "none (fp32)" if precision == "no" else precision
     rows.append(("Hardware", f"{world} process(es)" + (f" on {facts['device_name']}" if facts.get("device_name") else "")
                  + (f", {layout}" if layout else "") + (f", mixed precision {precision}" if precision else "")))
     if facts.get("train_time_s") is not None:
@@ -137,16 +138,27 @@ def evaluation_lines(model_dir: Path, facts: dict, lm_eval: dict) -> list[str]:
     return lines or ["- No evaluation recorded."]
 
 
+def has_chat_template(model_dir: Path) -> bool:
+    return (model_dir / "chat_template.jinja").is_file() or bool(
+        read_json(model_dir / "tokenizer_config.json").get("chat_template"))
+
+
 def usage(model_dir: Path, gguf_family: bool) -> list[str]:
+    if has_chat_template(model_dir):
+        ask = ['messages = [{"role": "user", "content": "What does json.dumps do?"}]',
+               "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+               "return_dict=True)"]
+    else:
+        ask = ['ids = tokenizer("The", return_tensors="pt")']
     lines = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'model = AutoModelForCausalLM.from_pretrained("{model_dir}")',
-             f'tokenizer = AutoTokenizer.from_pretrained("{model_dir}")',
-             'ids = tokenizer("The", return_tensors="pt")',
-             "print(tokenizer.decode(model.generate(**ids, max_new_tokens=40)[0]))", "```"]
+             f'tokenizer = AutoTokenizer.from_pretrained("{model_dir}")', *ask,
+             "print(tokenizer.decode(model.generate(**ids, max_new_tokens=60)[0]))", "```"]
     if gguf_family:
         lines += ["", "For llama.cpp / Ollama, as one GGUF file:", "", "```sh",
                   f"finetune export {model_dir} --format gguf --gguf_type q8_0 --output model-q8_0.gguf",
-                  "llama-cli -m model-q8_0.gguf -cnv", "```"]
+                  "llama-cli -m model-q8_0.gguf -cnv" + ("" if has_chat_template(model_dir) else " -p \"The\""),
+                  "```"]
     return lines
 
 
