@@ -54,6 +54,24 @@ def check_task_names(names: list[str], manager) -> None:
                          + "; name tasks lm-eval lists (`lm_eval ls tasks`), or pass --tasks_dir with your own")
 
 
+def check_model_dir(model_dir: Path) -> None:
+    """What lm-eval will load, read first: a damaged file is one line here, not a traceback from inside lm-eval."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.gguf_export import first_line
+    from finetune.shard_loading import stored_tensors
+
+    try:
+        AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        weights = stored_tensors(model_dir)
+    except (OSError, ValueError, TypeError) as e:  # TypeError: a tokenizer file of the wrong JSON shape
+        raise UsageError(f"could not read the model in {model_dir} ({first_line(e)}); pass a whole model dir "
+                         "(an export, a run's final/)") from None
+    if weights is None:
+        raise UsageError(f"{model_dir} holds no safetensors weights; pass a model dir this tool wrote")
+
+
 def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = None, batch_size: int = 8,
                    limit: int | None = None, num_fewshot: int | None = None) -> dict:
     """lm-eval's scores of the model dir on the comma-separated tasks, written next to the model."""
@@ -69,6 +87,7 @@ def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = No
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"{model_dir} is not a model dir (no config.json); pass an exported dir, a run's final/ "
                          "or a .gguf file")
+    check_model_dir(model_dir)
     names = [name.strip() for name in tasks.split(",") if name.strip()]
     manager = task_manager(tasks_dir)
     check_task_names(names, manager)

@@ -279,6 +279,20 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
     return plan
 
 
+def first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def read_tensor(source) -> torch.Tensor:
+    tensor = torch.empty(source.shape, dtype=source.dtype)
+    try:
+        source.read_rows(0, tensor)
+    except OSError as e:  # a file cut short after its header was written
+        raise UsageError(f"{source.file} is damaged ({first_line(e)}); export the model dir again, or pass the run "
+                         "or checkpoint it came from") from None
+    return tensor
+
+
 def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None = None,
                progress: Callable[[str], None] = lambda line: None) -> Path:
     """The model dir (config, tokenizer, safetensors) as one GGUF file at
@@ -288,16 +302,23 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
 
     from finetune.shard_loading import stored_tensors
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"could not read the model config of {model_dir} ({first_line(e)}); pass a whole model dir "
+                         "(an export, a run's final/)") from None
     family = family_of(config)
-    stored = stored_tensors(model_dir)
+    try:
+        stored = stored_tensors(model_dir)
+    except ValueError as e:
+        raise UsageError(f"{e}; export the model dir again, or pass the run or checkpoint it came from") from None
     if stored is None:
         raise UsageError(f"{model_dir} holds no safetensors weights; pass a model dir this tool wrote, or a run")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:  # TypeError: a tokenizer file of the wrong JSON shape
         raise UsageError(f"GGUF export needs the model's tokenizer, and {model_dir} has none it can read "
-                         f"({str(e).strip().splitlines()[0][:160]}); pass a model dir with its tokenizer") from None
+                         f"({first_line(e)}); pass a model dir with its tokenizer") from None
     try:
         generation_config = GenerationConfig.from_pretrained(model_dir)
     except OSError:
@@ -321,9 +342,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, planned in enumerate(plan, 1):
-            source = stored[planned.source]
-            tensor = torch.empty(source.shape, dtype=source.dtype)
-            source.read_rows(0, tensor)
+            tensor = read_tensor(stored[planned.source])
             writer.write_tensor_data(encode(family.reorder(planned.source, tensor, config), planned.qtype))
             if i % 50 == 0 or i == len(plan):
                 progress(f"  {i}/{len(plan)} tensors written")

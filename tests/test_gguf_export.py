@@ -6,6 +6,7 @@ what it cannot convert in one line, leaving any existing file alone."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -218,6 +219,16 @@ def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dir
                        (["--output", tmp_path / "x.gguf", "--adapter_only"], "--gguf_type")):
         line = refused(run_in_process("export", model_dirs["llama"], "--format", "gguf", *bad))
         assert words in line, line
+    damaged = tmp_path / "damaged"
+    for name, damage, words in (("model.safetensors", lambda b: b[:len(b) // 2], "is damaged"),
+                                ("config.json", lambda b: b[:20], "could not read the model config"),
+                                ("tokenizer.json", lambda b: b"garbage", "none it can read")):
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(model_dirs["llama"], damaged)
+        (damaged / name).write_bytes(damage((damaged / name).read_bytes()))
+        line = refused(run_in_process("export", damaged, "--format", "gguf", "--output", tmp_path / "d.gguf"))
+        assert words in line, (name, line)
+    shutil.rmtree(damaged)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "opt", "word-pieces"]  # nothing else written
     assert out.read_bytes() == b"the user's own file"
     check_ok(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out, "--overwrite"))
