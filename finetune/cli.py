@@ -450,10 +450,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
         result = run_benchmarks(args.model_dir, args.tasks, args.tasks_dir, args.per_device_batch_size, args.limit,
                                 args.num_fewshot)
+        from finetune.model_card import score_line
+
         for task, scores in result["results"].items():
-            shown = ", ".join(f"{name.split(',')[0]} {value:.4f}" for name, value in scores.items()
-                              if "," in name and "stderr" not in name)
-            print(f"{task}: {shown}")
+            print(f"{task}: {score_line(scores)}")
         print(json.dumps(result))
         print(cpu_threads_line(threads), file=sys.stderr)
         return 0

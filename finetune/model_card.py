@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.presets import CNN_PRESETS, GPT2_PRESETS
+from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
 CARD = "README.md"
 CARD_RECORD = "finetune_card.json"  # the run record the card was written from, to write it again with new scores
@@ -93,18 +93,26 @@ def training_rows(cfg: dict, facts: dict) -> list[tuple[str, str]]:
     accelerate_config = launch.get("accelerate_config") or {}
     world = facts.get("world_size") or launch.get("num_processes") or 1
     batch = cfg.get("per_device_batch_size", 0) * cfg.get("gradient_accumulation_steps", 1) * world
-    data_format = facts.get("data_format") or cfg.get("data_format")
-    rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(cfg.get("method", "sft"),
-                                                                              str(cfg.get("method", "")).upper())),
-            ("Fine-tuning", fine_tuning_line(cfg)),
-            ("Data", f"`{cfg.get('dataset')}`" + (f" ({data_format})" if data_format not in (None, "auto") else "")
-                     + f", blocks of {cfg.get('block_size')} tokens, packing {'on' if cfg.get('packing') else 'off'}")]
-    if steps := facts.get("steps"):
-        tokens = steps * batch * cfg.get("block_size", 0)
-        exact = cfg.get("packing") and data_format == "text"  # packed text fills every block
-        rows.append(("Steps", f"{steps:,} of {batch:,} sequences ({cfg.get('per_device_batch_size')} per process x "
-                              f"{cfg.get('gradient_accumulation_steps', 1)} accumulated x {world} processes): "
-                              f"{'' if exact else 'at most '}{tokens:,} tokens"))
+    per_step = (f"{batch:,} {{}} ({cfg.get('per_device_batch_size')} per process x "
+                f"{cfg.get('gradient_accumulation_steps', 1)} accumulated x {world} processes)")
+    steps = facts.get("steps")
+    if cfg.get("task") == "image-classification":
+        rows = [("Method", "supervised training (cross-entropy over the classes)"),
+                ("Data", f"`{cfg.get('dataset')}` (images)")]
+        if steps:
+            rows.append(("Steps", f"{steps:,} of {per_step.format('images')}"))
+    else:
+        data_format = facts.get("data_format") or cfg.get("data_format")
+        rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(cfg.get("method", "sft"),
+                                                                                  str(cfg.get("method", "")).upper())),
+                ("Fine-tuning", fine_tuning_line(cfg)),
+                ("Data", f"`{cfg.get('dataset')}`" + (f" ({data_format})" if data_format not in (None, "auto") else "")
+                         + f", blocks of {cfg.get('block_size')} tokens, packing {'on' if cfg.get('packing') else 'off'}")]
+        if steps:
+            tokens = steps * batch * cfg.get("block_size", 0)
+            exact = cfg.get("packing") and data_format == "text"  # packed text fills every block
+            rows.append(("Steps", f"{steps:,} of {per_step.format('sequences')}: "
+                                  f"{'' if exact else 'at most '}{tokens:,} tokens"))
     rows.append(("Optimizer", f"{cfg.get('optimizer')}, learning rate {cfg.get('learning_rate')}, "
                               f"{cfg.get('lr_scheduler_type')} schedule, weight decay {cfg.get('weight_decay')}, "
                               f"seed {cfg.get('seed')}"))
@@ -120,6 +128,12 @@ def training_rows(cfg: dict, facts: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def score_line(scores: dict) -> str:
+    """lm-eval's scores of one task, as `acc 0.4444, acc_norm 0.5694` (their `metric,filter` keys, no stderr)."""
+    return ", ".join(f"{name.split(',')[0]} {value:.4f}" for name, value in scores.items()
+                     if "," in name and "stderr" not in name)
+
+
 def evaluation_lines(model_dir: Path, facts: dict, lm_eval: dict) -> list[str]:
     lines = []
     metric, first, last = facts.get("metric"), facts.get("first_eval"), facts.get("last_eval")
@@ -132,9 +146,7 @@ def evaluation_lines(model_dir: Path, facts: dict, lm_eval: dict) -> list[str]:
         lines.append(f"- Not evaluated at step {facts.get('steps')}: `finetune evaluate {model_dir}` scores it "
                      "on the run's validation data")
     for task, scores in sorted((lm_eval.get("results") or {}).items()):
-        shown = ", ".join(f"{name.split(',')[0]} {value:.4f}" for name, value in scores.items()
-                          if "," in name and "stderr" not in name)
-        lines.append(f"- lm-evaluation-harness `{task}`: {shown}")
+        lines.append(f"- lm-evaluation-harness `{task}`: {score_line(scores)}")
     return lines or ["- No evaluation recorded."]
 
 
@@ -169,9 +181,9 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
     lm_eval = read_json(model_dir / LM_EVAL_RESULTS)
     base = str(cfg.get("model") or getattr(config, "_name_or_path", "") or "")
     from_scratch = base in GPT2_PRESETS or base in CNN_PRESETS
-    causal = getattr(config, "model_type", "") != "lecture-cnn"
+    causal = getattr(config, "model_type", "") != CNN_MODEL_TYPE
     header = {"library_name": "transformers", "pipeline_tag": "text-generation" if causal else "image-classification",
-              "tags": ["finetune", str(cfg.get("method", "sft"))]
+              "tags": ["finetune", str(cfg.get("method", "sft")) if causal else "image-classification"]
               + ([str(cfg["peft"])] if cfg.get("peft", "none") != "none" else [])}
     if base and is_hub_id(base):
         header["base_model"] = base
@@ -185,7 +197,7 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
               f"fine-tuned from `{base}`" if base else "fine-tuned")
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {title}", "",
              f"A {getattr(config, 'model_type', 'model')} model {origin} with finetune"
-             + (f" ({cfg.get('method', 'sft').upper()})." if cfg else "."), ""]
+             + (f" ({cfg.get('method', 'sft').upper()})." if cfg and causal else "."), ""]
     if cfg:
         lines += ["## Training", "", "| | |", "| --- | --- |"]
         lines += [f"| {name} | {value} |" for name, value in training_rows(cfg, summary)]

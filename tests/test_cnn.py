@@ -95,7 +95,8 @@ def test_resume_at_an_epoch_boundary_matches_the_uninterrupted_run(cnn_run, tmp_
 def test_export_then_evaluate_gives_the_training_accuracy(cnn_run, tmp_path):
     out = tmp_path / "exported"
     assert run_in_process("export", cnn_run, "--output", out).returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "finetune_run.json", "model.safetensors"]
+    assert {p.name for p in out.iterdir()} == {"config.json", "finetune_run.json", "model.safetensors", "README.md",
+                                               "finetune_card.json"} | ({"loss.png"} if (out / "loss.png").exists() else set())
     assert AutoConfig.from_pretrained(out).id2label[7] == "7"  # class names from the data set
     final = load_file(str(cnn_run / "final" / "model.safetensors"))
     exported = load_file(str(out / "model.safetensors"))
@@ -108,6 +109,9 @@ def test_export_then_evaluate_gives_the_training_accuracy(cnn_run, tmp_path):
     assert result["num_samples"] == 360
     assert result["accuracy"] == trained["accuracy"]
     assert math.isclose(result["eval_loss"], trained["eval_loss"], rel_tol=1e-4)
+    card = (cnn_run / "final" / "README.md").read_text()  # the run's own card: an image classifier's
+    assert "pipeline_tag: image-classification" in card and f"accuracy of this model: {trained['accuracy']:.4f}" in card
+    assert "token" not in card and "images (16 per process" in card
 
 
 def test_tensorboard_gets_the_same_metrics_as_the_jsonl(cnn_run):
