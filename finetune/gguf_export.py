@@ -10,9 +10,10 @@ this tool trains:
   for llama.cpp's rotary layout, as transformers' GGUF reader expects;
 - Qwen2: as stored (llama.cpp's rotary layout there is transformers');
 - GPT-2: its Conv1D weights transposed to (out, in), the tied output written out.
-The tokenizer goes in as llama.cpp stores a byte-level BPE vocabulary (tokens,
-merges, token types, special ids, the pre-tokenizer's name), with the chat
-template and the generation settings. Tensors are read, converted and written
+The tokenizer goes in as llama.cpp stores it: a byte-level BPE vocabulary
+(tokens, merges, token types, special ids, the pre-tokenizer's name), or a
+SentencePiece one (Llama 2, Mistral 7B: pieces with scores in merge order,
+byte tokens), with the chat template and the generation settings. Tensors are read, converted and written
 one at a time: memory stays near the largest tensor, whatever the model's size.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -158,33 +160,62 @@ def pre_tokenizer_name(spec: dict) -> str:
                      f"tokenizers of {FAMILY_NAMES}: export it with --format safetensors")
 
 
+def tokenizer_kind(spec: dict) -> str:
+    """llama.cpp's name for the vocabulary: `gpt2` (byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM2) or
+    `llama` (SentencePiece BPE with byte fallback: Llama 2, Mistral 7B, TinyLlama)."""
+    model, decoder = spec.get("model") or {}, json.dumps(spec.get("decoder"))
+    if model.get("type") == "BPE" and "ByteLevel" in decoder:
+        return "gpt2"
+    if model.get("type") == "BPE" and model.get("byte_fallback") and "ByteFallback" in decoder:
+        return "llama"
+    raise UsageError(f"GGUF export converts byte-level BPE and SentencePiece BPE tokenizers (those of {FAMILY_NAMES});"
+                     f" this one is {model.get('type') or 'not a fast tokenizer'}: export it with --format safetensors")
+
+
+def adds_space_prefix(spec: dict) -> bool:
+    """A SentencePiece vocabulary's leading '\u2581' before the first word (a normalizer or a Metaspace step)."""
+    steps = json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")])
+    return '"Prepend"' in steps or '"prepend_scheme": "first"' in steps or '"prepend_scheme": "always"' in steps
+
+
+BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
+
+
 def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     import gguf
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("decoder")):
-        raise UsageError(f"GGUF export converts byte-level BPE tokenizers (those of {FAMILY_NAMES}); "
-                         f"this one is {model.get('type') or type(tokenizer).__name__}: export it with --format safetensors")
-    pre = pre_tokenizer_name(spec)
+    kind = tokenizer_kind(spec)
+    model = spec["model"]
     if len(tokenizer) > vocab_size:
         raise UsageError(f"the tokenizer has {len(tokenizer)} tokens and the model's embeddings {vocab_size} rows; "
                          "a GGUF needs a row for every token: resize the embeddings before exporting")
     added = {token.content: token for token in tokenizer.added_tokens_decoder.values()}
-    tokens, types = [], []
     by_id = {index: token for token, index in model["vocab"].items()}
     by_id.update({index: token.content for index, token in tokenizer.added_tokens_decoder.items()})
+    tokens, types, scores = [], [], []
     for index in range(vocab_size):
         token = by_id.get(index)
         if token is None:  # embedding rows no token uses (vocabularies padded to a multiple)
-            tokens.append(f"[PAD{index}]")
-            types.append(gguf.TokenType.UNUSED)
+            token, kind_of = f"[PAD{index}]", gguf.TokenType.UNUSED
+        elif token in added:
+            kind_of = (gguf.TokenType.UNKNOWN if token == tokenizer.unk_token else
+                       gguf.TokenType.CONTROL if added[token].special else gguf.TokenType.USER_DEFINED)
+        elif kind == "llama" and BYTE_TOKEN.match(token):
+            kind_of = gguf.TokenType.BYTE
         else:
-            tokens.append(token)
-            types.append(gguf.TokenType.NORMAL if token not in added else
-                         gguf.TokenType.CONTROL if added[token].special else gguf.TokenType.USER_DEFINED)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+            kind_of = gguf.TokenType.NORMAL
+        tokens.append(token)
+        types.append(kind_of)
+        # SentencePiece merges the pair whose piece scores highest; its BPE pieces are numbered in merge order.
+        scores.append(-float(index) if kind_of == gguf.TokenType.NORMAL else 0.0)
+    writer.add_tokenizer_model(kind)
+    if kind == "gpt2":
+        writer.add_tokenizer_pre(pre_tokenizer_name(spec))
+    else:
+        writer.add_tokenizer_pre("default")
+        writer.add_token_scores(scores)
+        writer.add_add_space_prefix(adds_space_prefix(spec))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])])

@@ -6,6 +6,7 @@ what it cannot convert in one line, leaving any existing file alone."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ TEXTS = ["the model reads a file and returns its lines", "  two spaces, digits 1
          "unknown words: zyxt qoph \u00e9t\u00e9 \u4e2d\u6587 \U0001f600", "<|im_start|>user\nhello<|im_end|>\n"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what changes at all"},
         {"role": "assistant", "content": "nothing changes 42"}]
-# Largest |logit error| / max |logit| measured over the four families here: f16 3.4e-4, bf16 2.9e-3, q8_0 1.0e-2.
+# Largest |logit error| / max |logit| measured over the families here: f16 3.4e-4, bf16 2.9e-3, q8_0 1.0e-2.
 LOGIT_BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2}
 
 
@@ -56,7 +57,53 @@ def save_mistral_model(path):
     return path
 
 
+def sentencepiece_tokenizer(texts: list[str]):
+    """A Llama-2-style vocabulary: SentencePiece BPE pieces ('\u2581' for a space, merged within words only)
+    numbered in merge order after <unk>, <s>, </s> and the 256 byte tokens it falls back to."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import LlamaTokenizerFast
+
+    spaces = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = spaces
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=True)
+    learner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    learnt = json.loads(learner.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + [f"<0x{byte:02X}>" for byte in range(256)])}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learnt["merges"]]
+    for first, second in merges:
+        vocab.setdefault(first + second, len(vocab))
+    for token in learnt["vocab"]:  # the single characters
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = spaces
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    tokenizer = LlamaTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   add_bos_token=True, legacy=True)
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def save_sentencepiece_llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = sentencepiece_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 FAMILIES = {"llama": lambda path: save_chat_model(path, "llama", tie=False),   # untied, grouped-query attention
+            "llama-sentencepiece": save_sentencepiece_llama,  # Llama 2's and Mistral 7B's kind of vocabulary
             "qwen2-tied": lambda path: save_chat_model(path, "qwen2", tie=True),  # q/k/v biases, tied embeddings
             "mistral": save_mistral_model,
             "gpt2": save_gpt2_model}
@@ -137,7 +184,8 @@ def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs,
             check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
             ids = AutoTokenizer.from_pretrained(source)(TEXTS[0])["input_ids"]
             model = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False)
-            assert model.tokenize(TEXTS[0].encode(), add_bos=False, special=True) == ids, (family, gguf_type)
+            # add_bos: as the file's tokenizer.ggml.add_bos_token says
+            assert model.tokenize(TEXTS[0].encode(), add_bos=True, special=True) == ids, (family, gguf_type)
             model.eval(ids)
             theirs = torch.tensor(np.array(model.scores[:len(ids)]))
             with torch.no_grad():
