@@ -42,6 +42,7 @@ class Family:
     write_hyperparameters: Callable                  # (writer, config) -> None
     reorder: Callable[[str, torch.Tensor, object], torch.Tensor]  # (HF name, tensor, config) -> as llama.cpp stores it
     writes_tied_output: bool = False                 # a tied output matrix written out (llama.cpp's GPT-2 wants one)
+    rope_scalings: tuple[str, ...] = ()              # the rotary scalings llama.cpp runs for it, besides none
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -98,6 +99,22 @@ def _llama_rotary_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
             .transpose(1, 2).reshape(tensor.shape))
 
 
+def llama3_rope_factors(config) -> torch.Tensor:
+    """Llama 3.1's rotary scaling as llama.cpp reads it (a `rope_freqs` vector:
+    each frequency is divided by its factor): long wavelengths slowed by
+    `factor`, short ones kept, those between blended, as transformers' llama3 rope."""
+    p = config.rope_parameters
+    _, _, head_dim = _heads(config)
+    frequencies = 1.0 / p["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelength = 2 * math.pi / frequencies
+    context, low, high, factor = (p["original_max_position_embeddings"], p["low_freq_factor"], p["high_freq_factor"],
+                                  p["factor"])
+    smooth = (context / wavelength - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelength < context / high, 1.0, torch.where(wavelength > context / low, factor, blended))
+    return factors.to(torch.float32)
+
+
 def _as_stored(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     return tensor
 
@@ -110,7 +127,7 @@ def _gpt2_linear_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
 
 
 FAMILIES = {
-    "llama": Family("llama", _decoder_hyperparameters, _llama_rotary_rows),
+    "llama": Family("llama", _decoder_hyperparameters, _llama_rotary_rows, rope_scalings=("llama3",)),
     "mistral": Family("llama", _decoder_hyperparameters, _llama_rotary_rows),
     "qwen2": Family("qwen2", _decoder_hyperparameters, _as_stored),
     "gpt2": Family("gpt2", _gpt2_hyperparameters, _gpt2_linear_rows, writes_tied_output=True),
@@ -126,8 +143,9 @@ def family_of(config) -> Family:
     if family is None:
         raise UsageError(f"GGUF export converts {FAMILY_NAMES} models; this one is {config.model_type!r}: "
                          "export it with --format safetensors")
-    if family.arch != "gpt2" and _rope_type(config) != "default":
-        raise UsageError(f"GGUF export does not convert {_rope_type(config)!r} rotary scaling yet; "
+    if family.arch != "gpt2" and _rope_type(config) not in ("default", *family.rope_scalings):
+        raise UsageError(f"GGUF export converts {family.arch} models with rotary scaling "
+                         f"{', '.join(('none', *family.rope_scalings))}; this one has {_rope_type(config)!r}: "
                          "export it with --format safetensors")
     return family
 
@@ -259,9 +277,10 @@ def stored_type(shape: tuple[int, ...], gguf_type: str):
 @dataclass(frozen=True)
 class PlannedTensor:
     gguf_name: str
-    source: str                # the HF tensor it is made from
+    source: str                # the HF tensor it is made from, or "" for one made from the config
     shape: tuple[int, ...]
     qtype: object
+    make: Callable[[], torch.Tensor] | None = None
 
 
 def stored_layout(planned: PlannedTensor) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -307,6 +326,10 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
         plan.append(PlannedTensor(target, name, shape, stored_type(shape, gguf_type)))
         if tied and family.writes_tied_output and target == "token_embd.weight":
             plan.append(PlannedTensor("output.weight", name, shape, stored_type(shape, gguf_type)))
+    if _rope_type(config) == "llama3":
+        factors = llama3_rope_factors(config)
+        plan.append(PlannedTensor("rope_freqs.weight", "", tuple(factors.shape), stored_type(factors.shape, gguf_type),
+                                  make=lambda: factors))
     return plan
 
 
@@ -373,8 +396,9 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, planned in enumerate(plan, 1):
-            tensor = read_tensor(stored[planned.source])
-            writer.write_tensor_data(encode(family.reorder(planned.source, tensor, config), planned.qtype))
+            tensor = (planned.make() if planned.make else
+                      family.reorder(planned.source, read_tensor(stored[planned.source]), config))
+            writer.write_tensor_data(encode(tensor, planned.qtype))
             if i % 50 == 0 or i == len(plan):
                 progress(f"  {i}/{len(plan)} tensors written")
         writer.close()

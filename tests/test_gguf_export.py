@@ -172,20 +172,54 @@ def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, mode
     assert_same_next_tokens_beyond_ties(read_back, reference)
 
 
+def save_llama3_scaled(path):
+    """Llama 3.1's rotary scaling, with an original context short enough (64) that a test's tokens reach it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                 rope_parameters=rope)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_llama_3_rotary_scaling_goes_in_as_llama_cpps_factors(tmp_path):
+    """transformers' GGUF reader rebuilds no Llama rotary scaling, so the file is
+    checked here against transformers' own llama3 frequencies (and by llama.cpp below)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    source = save_llama3_scaled(tmp_path / "llama3")
+    check_ok(run_in_process("export", source, "--format", "gguf", "--output", tmp_path / "llama3.gguf"))
+    config = AutoConfig.from_pretrained(source)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    head_dim = config.hidden_size // config.num_attention_heads
+    plain = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    factors = next(t for t in gguf.GGUFReader(str(tmp_path / "llama3.gguf")).tensors if t.name == "rope_freqs.weight")
+    assert factors.tensor_type == gguf.GGMLQuantizationType.F32
+    torch.testing.assert_close(torch.from_numpy(np.array(factors.data)), plain / scaled, rtol=1e-5, atol=0)
+    assert {1.0, 8.0} < set(np.array(factors.data).tolist())  # kept, slowed and blended frequencies all occur
+
+
 def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs, tmp_path):
     """llama.cpp's own loader and kernels, through llama-cpp-python (a source
     build: `pip install llama-cpp-python`, with cmake and a C++ compiler)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for family, source in model_dirs.items():
+    scaled = save_llama3_scaled(tmp_path / "llama3-scaled")
+    for family, source in [*model_dirs.items(), ("llama3-scaled", scaled)]:
         for gguf_type in ("f16", "q8_0"):
             out = tmp_path / f"{family}-{gguf_type}.gguf"
             check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
-            ids = AutoTokenizer.from_pretrained(source)(TEXTS[0])["input_ids"]
-            model = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False)
+            ids = AutoTokenizer.from_pretrained(source)(TEXTS[0])["input_ids"] * 8  # past 64 positions
+            model = llama_cpp.Llama(model_path=str(out), n_ctx=256, logits_all=True, verbose=False)
             # add_bos: as the file's tokenizer.ggml.add_bos_token says
-            assert model.tokenize(TEXTS[0].encode(), add_bos=True, special=True) == ids, (family, gguf_type)
+            assert model.tokenize(TEXTS[0].encode(), add_bos=True, special=True) == ids[:len(ids) // 8], family
             model.eval(ids)
             theirs = torch.tensor(np.array(model.scores[:len(ids)]))
             with torch.no_grad():
