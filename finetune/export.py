@@ -100,7 +100,9 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     except OSError:
         generation_config = None
     if adapter_only:
-        return method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
+        written = method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
+        write_model_card(written, config, checkpoint_record(checkpoint_dir))
+        return written
     task = run_task(checkpoint_dir, base_model, trust_remote_code) if method.saves_adapters else None
     model_weights = method.export_weights(checkpoint_dir, backend.export_weights(weights),
                                           lambda: task.base_model(tokenizer), task and task.model_source)

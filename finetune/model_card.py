@@ -79,16 +79,16 @@ def checkpoint_record(checkpoint_dir: Path) -> RunRecord | None:
     return RunRecord(config, facts)
 
 
-def fine_tuning_line(cfg: dict) -> str:
+def fine_tuning_line(cfg: dict, adapters_only: bool) -> str:
     peft = cfg.get("peft", "none")
     if peft == "none":
         return "full fine-tune (every weight trained)"
     return (f"{'QLoRA (4-bit base)' if peft == 'qlora' else 'LoRA'} r={cfg.get('lora_r')}, "
-            f"alpha={cfg.get('lora_alpha')}, dropout={cfg.get('lora_dropout')}, "
-            f"on {cfg.get('lora_target_modules')}; the adapters are merged into the weights here")
+            f"alpha={cfg.get('lora_alpha')}, dropout={cfg.get('lora_dropout')}, on {cfg.get('lora_target_modules')}; "
+            + ("this dir holds the adapters alone" if adapters_only else "the adapters are merged into the weights here"))
 
 
-def training_rows(cfg: dict, facts: dict) -> list[tuple[str, str]]:
+def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[tuple[str, str]]:
     launch = cfg.get("launch") or {}
     accelerate_config = launch.get("accelerate_config") or {}
     world = facts.get("world_size") or launch.get("num_processes") or 1
@@ -105,7 +105,7 @@ def training_rows(cfg: dict, facts: dict) -> list[tuple[str, str]]:
         data_format = facts.get("data_format") or cfg.get("data_format")
         rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(cfg.get("method", "sft"),
                                                                                   str(cfg.get("method", "")).upper())),
-                ("Fine-tuning", fine_tuning_line(cfg)),
+                ("Fine-tuning", fine_tuning_line(cfg, adapters_only)),
                 ("Data", f"`{cfg.get('dataset')}`" + (f" ({data_format})" if data_format not in (None, "auto") else "")
                          + f", blocks of {cfg.get('block_size')} tokens, packing {'on' if cfg.get('packing') else 'off'}")]
         if steps:
@@ -155,6 +155,14 @@ def has_chat_template(model_dir: Path) -> bool:
         read_json(model_dir / "tokenizer_config.json").get("chat_template"))
 
 
+def adapter_usage(model_dir: Path, base: str) -> list[str]:
+    return ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{model_dir}")  # or .merge_and_unload() for one model', "```",
+            "", f"A merged model dir, or a GGUF file: `finetune export RUN --output DIR` "
+                f"(`--format gguf --output NAME.gguf`)."]
+
+
 def usage(model_dir: Path, gguf_family: bool) -> list[str]:
     if has_chat_template(model_dir):
         ask = ['messages = [{"role": "user", "content": "What does json.dumps do?"}]',
@@ -182,7 +190,8 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
     base = str(cfg.get("model") or getattr(config, "_name_or_path", "") or "")
     from_scratch = base in GPT2_PRESETS or base in CNN_PRESETS
     causal = getattr(config, "model_type", "") != CNN_MODEL_TYPE
-    header = {"library_name": "transformers", "pipeline_tag": "text-generation" if causal else "image-classification",
+    adapters_only = (model_dir / "adapter_config.json").is_file()
+    header = {"library_name": "peft" if adapters_only else "transformers", "pipeline_tag": "text-generation" if causal else "image-classification",
               "tags": ["finetune", str(cfg.get("method", "sft")) if causal else "image-classification"]
               + ([str(cfg["peft"])] if cfg.get("peft", "none") != "none" else [])}
     if base and is_hub_id(base):
@@ -200,13 +209,14 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
              + (f" ({cfg.get('method', 'sft').upper()})." if cfg and causal else "."), ""]
     if cfg:
         lines += ["## Training", "", "| | |", "| --- | --- |"]
-        lines += [f"| {name} | {value} |" for name, value in training_rows(cfg, summary)]
+        lines += [f"| {name} | {value} |" for name, value in training_rows(cfg, summary, adapters_only)]
         lines.append("")
     lines += ["## Evaluation", "", *evaluation_lines(model_dir, summary, lm_eval), ""]
     if (model_dir / "loss.png").is_file():
         lines += ["## Loss", "", "![training and validation loss](loss.png)", ""]
     if causal:
-        lines += ["## Usage", "", *usage(model_dir, getattr(config, "model_type", "") in FAMILIES), ""]
+        lines += ["## Usage", "", *(adapter_usage(model_dir, base) if adapters_only else
+                                    usage(model_dir, getattr(config, "model_type", "") in FAMILIES)), ""]
     return "\n".join(lines)
 
 

@@ -178,6 +178,12 @@ def test_exports_match_peft(lora_run, gpt2_dir, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(logits(merged, tokens), logits(by_peft, tokens), rtol=0, atol=1e-5)
     assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()  # still tied
+    from huggingface_hub import ModelCard
+
+    adapter_card, merged_card = (ModelCard.load(tmp_path / d / "README.md") for d in ("adapter", "merged"))
+    assert adapter_card.data.library_name == "peft" and "PeftModel.from_pretrained" in adapter_card.text
+    assert "this dir holds the adapters alone" in adapter_card.text and "lora" in adapter_card.data.tags
+    assert merged_card.data.library_name == "transformers" and "merged into the weights here" in merged_card.text
 
 
 def test_gguf_export_of_a_lora_run_holds_the_merged_model(lora_run, tmp_path):
