@@ -248,6 +248,25 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def write_provenance(writer, model_dir: Path) -> None:
+    """What the model card's header says (general.base_model.*, general.license, general.tags), for a
+    model dir this tool wrote."""
+    from finetune.model_card import CARD_RECORD, base_license, is_hub_id, read_json
+
+    options = read_json(model_dir / CARD_RECORD).get("config")
+    if not isinstance(options, dict):
+        return
+    base = str(options.get("model") or "")
+    if is_hub_id(base):
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, base)
+        writer.add_base_model_repo_url(0, f"https://huggingface.co/{base}")
+    if base and (license_name := base_license(base)):
+        writer.add_license(license_name)
+    writer.add_tags(["finetune", str(options.get("method", "sft"))]
+                    + ([str(options["peft"])] if options.get("peft", "none") != "none" else []))
+
+
 def write_generation_settings(writer, generation_config) -> None:
     """The model's own sampling defaults, where llama.cpp reads them (general.sampling.*)."""
     if generation_config is None or not generation_config.do_sample:
@@ -387,6 +406,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
                               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
         if gguf_type == "q8_0":
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_provenance(writer, model_dir)
         family.write_hyperparameters(writer, config)
         write_tokenizer(writer, tokenizer, config.vocab_size)
         write_generation_settings(writer, generation_config)

@@ -81,6 +81,9 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
         check_ok(run_in_process("export", run_dir / "final", "--format", "gguf", "--gguf_type", gguf_type,
                                 "--output", out))
         assert AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)(prompt)["input_ids"] == ids[0].tolist()
+        import gguf
+
+        assert gguf.GGUFReader(str(out)).fields["general.license"].contents() == "apache-2.0"  # the card's, in the file
         with torch.no_grad():
             read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
                                                              dtype=torch.float32).eval()(ids).logits
