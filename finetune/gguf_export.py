@@ -13,8 +13,9 @@ this tool trains:
 The tokenizer goes in as llama.cpp stores it: a byte-level BPE vocabulary
 (tokens, merges, token types, special ids, the pre-tokenizer's name), or a
 SentencePiece one (Llama 2, Mistral 7B: pieces with scores in merge order,
-byte tokens), with the chat template and the generation settings. Tensors are read, converted and written
-one at a time: memory stays near the largest tensor, whatever the model's size.
+byte tokens), with the chat template and the generation settings. Tensors are
+read, converted and written one at a time: memory stays near the largest
+tensor, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 
 from finetune.errors import UsageError
 
-GGUF_TYPES = ("f16", "bf16", "q8_0")
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a whole number of blocks
 
 
@@ -119,9 +119,12 @@ def _as_stored(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     return tensor
 
 
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
 def _gpt2_linear_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     """GPT-2's Conv1D keeps (in, out); llama.cpp's matrices are (out, in)."""
-    if name.endswith(("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")):
+    if name.endswith(CONV1D_WEIGHTS):
         return tensor.t().contiguous()
     return tensor
 
@@ -338,9 +341,10 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if target is None:
             raise UsageError(f"GGUF export: the model has a tensor {name!r} that llama.cpp's {family.arch} has no "
-                             f"place for (a variant of the family it does not run); export it with --format safetensors")
+                             "place for (a variant of the family it does not run); export it with --format "
+                             "safetensors")
         shape = tuple(tensor.shape)
-        if family.arch == "gpt2" and len(shape) == 2 and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+        if family.arch == "gpt2" and len(shape) == 2 and name.endswith(CONV1D_WEIGHTS):
             shape = shape[::-1]
         plan.append(PlannedTensor(target, name, shape, stored_type(shape, gguf_type)))
         if tied and family.writes_tied_output and target == "token_embd.weight":

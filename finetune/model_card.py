@@ -85,7 +85,8 @@ def fine_tuning_line(cfg: dict, adapters_only: bool) -> str:
         return "full fine-tune (every weight trained)"
     return (f"{'QLoRA (4-bit base)' if peft == 'qlora' else 'LoRA'} r={cfg.get('lora_r')}, "
             f"alpha={cfg.get('lora_alpha')}, dropout={cfg.get('lora_dropout')}, on {cfg.get('lora_target_modules')}; "
-            + ("this dir holds the adapters alone" if adapters_only else "the adapters are merged into the weights here"))
+            + ("this dir holds the adapters alone" if adapters_only else
+               "the adapters are merged into the weights here"))
 
 
 def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[tuple[str, str]]:
@@ -107,7 +108,8 @@ def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[t
                                                                                   str(cfg.get("method", "")).upper())),
                 ("Fine-tuning", fine_tuning_line(cfg, adapters_only)),
                 ("Data", f"`{cfg.get('dataset')}`" + (f" ({data_format})" if data_format not in (None, "auto") else "")
-                         + f", blocks of {cfg.get('block_size')} tokens, packing {'on' if cfg.get('packing') else 'off'}")]
+                         + f", blocks of {cfg.get('block_size')} tokens, "
+                         + f"packing {'on' if cfg.get('packing') else 'off'}")]
         if steps:
             tokens = steps * batch * cfg.get("block_size", 0)
             exact = cfg.get("packing") and data_format == "text"  # packed text fills every block
@@ -118,10 +120,12 @@ def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[t
                               f"seed {cfg.get('seed')}"))
     fsdp_version = facts.get("fsdp_version") or (accelerate_config.get("fsdp_config") or {}).get("fsdp_version")
     layout = (f"FSDP{fsdp_version}" if fsdp_version else f"DeepSpeed ZeRO-{facts['zero_stage']}"
-              if facts.get("zero_stage") is not None else facts.get("distributed_type") or launch.get("distributed_type"))
+              if facts.get("zero_stage") is not None
+              else facts.get("distributed_type") or launch.get("distributed_type"))
     precision = facts.get("mixed_precision") or accelerate_config.get("mixed_precision")
     precision = "none (fp32)" if precision == "no" else precision
-    rows.append(("Hardware", f"{world} process(es)" + (f" on {facts['device_name']}" if facts.get("device_name") else "")
+    rows.append(("Hardware", f"{world} process(es)"
+                 + (f" on {facts['device_name']}" if facts.get("device_name") else "")
                  + (f", {layout}" if layout else "") + (f", mixed precision {precision}" if precision else "")))
     if facts.get("train_time_s") is not None:
         rows.append(("Train time", f"{facts['train_time_s']:.1f} s"))
@@ -191,7 +195,8 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
     from_scratch = base in GPT2_PRESETS or base in CNN_PRESETS
     causal = getattr(config, "model_type", "") != CNN_MODEL_TYPE
     adapters_only = (model_dir / "adapter_config.json").is_file()
-    header = {"library_name": "peft" if adapters_only else "transformers", "pipeline_tag": "text-generation" if causal else "image-classification",
+    header = {"library_name": "peft" if adapters_only else "transformers",
+              "pipeline_tag": "text-generation" if causal else "image-classification",
               "tags": ["finetune", str(cfg.get("method", "sft")) if causal else "image-classification"]
               + ([str(cfg["peft"])] if cfg.get("peft", "none") != "none" else [])}
     if base and is_hub_id(base):
