@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.errors import UsageError
+from finetune.errors import UsageError, first_line
 from finetune.hardware import cpu_has_native_bf16
 from finetune.model_card import LM_EVAL_RESULTS, refresh_model_card
 
@@ -58,18 +58,15 @@ def check_model_dir(model_dir: Path) -> None:
     """What lm-eval will load, read first: a damaged file is one line here, not a traceback from inside lm-eval."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from finetune.gguf_export import first_line
-    from finetune.shard_loading import stored_tensors
+    from finetune.models import check_model_files
 
+    check_model_files(model_dir, str(model_dir))
     try:
         AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        weights = stored_tensors(model_dir)
     except (OSError, ValueError, TypeError) as e:  # TypeError: a tokenizer file of the wrong JSON shape
         raise UsageError(f"could not read the model in {model_dir} ({first_line(e)}); pass a whole model dir "
                          "(an export, a run's final/)") from None
-    if weights is None:
-        raise UsageError(f"{model_dir} holds no safetensors weights; pass a model dir this tool wrote")
 
 
 def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = None, batch_size: int = 8,

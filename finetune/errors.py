@@ -38,6 +38,11 @@ class NotDistributed(Exception):
     exit_code = 1
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message, its first line, for a one-line error (its type's name when it has none)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def not_a_file(path: str | Path) -> str:
     """Why a path the user named as a file cannot be read as one."""
     return "is a directory, not a file" if Path(path).is_dir() else "does not exist"

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
@@ -22,7 +22,7 @@ from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_pro
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError, write_failure_fix
 from finetune.model_card import checkpoint_record, write_model_card
-from finetune.model_dir import check_output_dir, read_tied, write_model_dir
+from finetune.model_dir import check_output_dir, read_generation_config, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.peft import method_of_checkpoint
 from finetune.tasks import task_for_config
@@ -95,10 +95,7 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     except (OSError, ValueError) as e:
         raise UsageError(f"could not read the model config/tokenizer from {config_source} "
                          f"({str(e).strip().splitlines()[0]}); pass --model with a HF model dir") from None
-    try:
-        generation_config = GenerationConfig.from_pretrained(config_source)
-    except OSError:
-        generation_config = None
+    generation_config = read_generation_config(config_source)
     if adapter_only:
         written = method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
         write_model_card(written, config, checkpoint_record(checkpoint_dir))

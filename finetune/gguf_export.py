@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from finetune.errors import UsageError
+from finetune.errors import UsageError, first_line
 
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a whole number of blocks
 
@@ -157,8 +157,12 @@ def family_of(config) -> Family:
 
 # Split patterns of byte-level BPE vocabularies, by the name llama.cpp gives their pre-tokenizer.
 def _known_splits() -> dict[str, str]:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-
+    """transformers' own table for reading GGUF files, inverted (a library internal: without it, a split
+    pattern is one it has no name for, and refused in one line)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:
+        return {}
     return {pattern: name for name, pattern in reversed(list(GGUF_PRE_TOKENIZER_SPLITS.items()))}
 
 
@@ -254,9 +258,10 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
 def write_provenance(writer, model_dir: Path) -> None:
     """What the model card's header says (general.base_model.*, general.license, general.tags), for a
     model dir this tool wrote."""
-    from finetune.model_card import CARD_RECORD, base_license, is_hub_id, read_json
+    from finetune.model_card import CARD_RECORD, base_license, is_hub_id
+    from finetune.model_dir import read_json_object
 
-    options = read_json(model_dir / CARD_RECORD).get("config")
+    options = read_json_object(model_dir / CARD_RECORD).get("config")
     if not isinstance(options, dict):
         return
     base = str(options.get("model") or "")
@@ -356,17 +361,9 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
     return plan
 
 
-def first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-
-
 def read_tensor(source) -> torch.Tensor:
     tensor = torch.empty(source.shape, dtype=source.dtype)
-    try:
-        source.read_rows(0, tensor)
-    except OSError as e:  # a file cut short after its header was written
-        raise UsageError(f"{source.file} is damaged ({first_line(e)}); export the model dir again, or pass the run "
-                         "or checkpoint it came from") from None
+    source.read_rows(0, tensor)
     return tensor
 
 
@@ -375,20 +372,20 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     """The model dir (config, tokenizer, safetensors) as one GGUF file at
     `output`, written to a temporary file beside it and renamed into place."""
     import gguf
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
+    from finetune.model_dir import read_generation_config
+    from finetune.models import check_model_files
     from finetune.shard_loading import stored_tensors
 
+    check_model_files(model_dir, str(model_dir))  # weights and tokenizer whole, before anything trusts them
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UsageError(f"could not read the model config of {model_dir} ({first_line(e)}); pass a whole model dir "
                          "(an export, a run's final/)") from None
     family = family_of(config)
-    try:
-        stored = stored_tensors(model_dir)
-    except ValueError as e:
-        raise UsageError(f"{e}; export the model dir again, or pass the run or checkpoint it came from") from None
+    stored = stored_tensors(model_dir)
     if stored is None:
         raise UsageError(f"{model_dir} holds no safetensors weights; pass a model dir this tool wrote, or a run")
     try:
@@ -396,10 +393,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     except (OSError, ValueError, TypeError) as e:  # TypeError: a tokenizer file of the wrong JSON shape
         raise UsageError(f"GGUF export needs the model's tokenizer, and {model_dir} has none it can read "
                          f"({first_line(e)}); pass a model dir with its tokenizer") from None
-    try:
-        generation_config = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        generation_config = None
+    generation_config = read_generation_config(model_dir)
     plan = plan_tensors(stored, config, family, gguf_type)
 
     scratch = output.with_name(f".{output.name}.tmp-{os.getpid()}")

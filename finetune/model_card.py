@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.model_dir import read_json_object
 from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
 CARD = "README.md"
@@ -69,7 +70,7 @@ def checkpoint_record(checkpoint_dir: Path) -> RunRecord | None:
         return None
     run_dir = checkpoint_dir.parent.parent
     progress = read_progress(checkpoint_dir)
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json_object(run_dir / "summary.json")
     if summary.get("steps") == progress.step:
         return RunRecord(config, summary, run_dir / "loss.png" if (run_dir / "loss.png").is_file() else None)
     evaluations = {row["step"]: row for row in metrics_rows(run_dir / "metrics.jsonl") if "eval_loss" in row}
@@ -156,7 +157,7 @@ def evaluation_lines(model_dir: Path, facts: dict, lm_eval: dict) -> list[str]:
 
 def has_chat_template(model_dir: Path) -> bool:
     return (model_dir / "chat_template.jinja").is_file() or bool(
-        read_json(model_dir / "tokenizer_config.json").get("chat_template"))
+        read_json_object(model_dir / "tokenizer_config.json").get("chat_template"))
 
 
 def adapter_usage(model_dir: Path, base: str) -> list[str]:
@@ -190,7 +191,7 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
     from finetune.gguf_export import FAMILIES
 
     cfg, summary = (record.config, record.facts) if record else ({}, {})
-    lm_eval = read_json(model_dir / LM_EVAL_RESULTS)
+    lm_eval = read_json_object(model_dir / LM_EVAL_RESULTS)
     base = str(cfg.get("model") or getattr(config, "_name_or_path", "") or "")
     from_scratch = base in GPT2_PRESETS or base in CNN_PRESETS
     causal = getattr(config, "model_type", "") != CNN_MODEL_TYPE
@@ -241,14 +242,6 @@ def metrics_rows(path: Path) -> list[dict]:
     return rows
 
 
-def read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def write_model_card(model_dir: Path, config, record: RunRecord | None) -> Path:
     """README.md (and the run's loss.png beside it) in a model dir this tool wrote."""
     if record is not None and record.loss_plot is not None:
@@ -262,7 +255,7 @@ def write_model_card(model_dir: Path, config, record: RunRecord | None) -> Path:
 
 def refresh_model_card(model_dir: Path) -> None:
     """The card again, with the scores the dir holds now (a card this tool wrote only)."""
-    saved = read_json(model_dir / CARD_RECORD)
+    saved = read_json_object(model_dir / CARD_RECORD)
     if not (model_dir / CARD).is_file() or not isinstance(saved.get("config"), dict):
         return
     from transformers import AutoConfig

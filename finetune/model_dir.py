@@ -104,13 +104,26 @@ def read_tied(model_files: Path) -> dict[str, str] | None:
 RUN_DATA_FILE = "finetune_run.json"
 
 
-def read_run_data(model_dir: str | Path) -> dict:
-    """The data options recorded with a model ({} for a model from elsewhere)."""
+def read_json_object(path: Path) -> dict:
+    """A JSON object from a file this tool wrote beside a model or a run ({} when missing or not one)."""
     try:
-        recorded = json.loads((Path(model_dir) / RUN_DATA_FILE).read_text())
+        recorded = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return recorded if isinstance(recorded, dict) else {}
+
+
+def read_run_data(model_dir: str | Path) -> dict:
+    """The data options recorded with a model ({} for a model from elsewhere)."""
+    return read_json_object(Path(model_dir) / RUN_DATA_FILE)
+
+
+def read_generation_config(source: str | Path) -> GenerationConfig | None:
+    """A model's generation config, None where it has none (an image classifier, a model from elsewhere)."""
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except OSError:
+        return None
 
 
 @dataclass

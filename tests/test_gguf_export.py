@@ -133,7 +133,7 @@ def refused(proc) -> str:
 def gguf_fields(path) -> dict:
     reader = gguf.GGUFReader(str(path))
     return {"reader": reader, **{name: field.contents() for name, field in reader.fields.items()
-                                 if not name.startswith("tokenizer.ggml.")}}
+                                 if name == "tokenizer.ggml.pre" or not name.startswith("tokenizer.ggml.")}}
 
 
 @pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q8_0"])
@@ -170,6 +170,29 @@ def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, mode
     error = ((read_back - reference).abs().max() / reference.abs().max()).item()
     assert error < LOGIT_BOUND[gguf_type], error
     assert_same_next_tokens_beyond_ties(read_back, reference)
+
+
+def test_a_split_pattern_pre_tokenizer_goes_in_by_llama_cpps_name(model_dirs, tmp_path):
+    """Qwen2's and Llama 3's tokenizers split text with a regex before the byte-level merges: the file
+    names that pattern as llama.cpp does (`qwen2`), and the reader splits the same way again."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    source = tmp_path / "qwen2-split"
+    shutil.copytree(model_dirs["qwen2-tied"], source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "qwen2-split.gguf"
+    check_ok(run_in_process("export", source, "--format", "gguf", "--output", out))
+    assert gguf_fields(out)["tokenizer.ggml.pre"] == "qwen2"
+    read_back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    reference = AutoTokenizer.from_pretrained(source)
+    for text in TEXTS:
+        assert read_back(text)["input_ids"] == reference(text)["input_ids"], text
 
 
 def save_llama3_scaled(path):
@@ -302,9 +325,9 @@ def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dir
         line = refused(run_in_process("export", model_dirs["llama"], "--format", "gguf", *bad))
         assert words in line, line
     damaged = tmp_path / "damaged"
-    for name, damage, words in (("model.safetensors", lambda b: b[:len(b) // 2], "is damaged"),
+    for name, damage, words in (("model.safetensors", lambda b: b[:len(b) // 2], "not a whole safetensors file"),
                                 ("config.json", lambda b: b[:20], "could not read the model config"),
-                                ("tokenizer.json", lambda b: b"garbage", "none it can read")):
+                                ("tokenizer.json", lambda b: b"garbage", "is not a tokenizer file")):
         shutil.rmtree(damaged, ignore_errors=True)
         shutil.copytree(model_dirs["llama"], damaged)
         (damaged / name).write_bytes(damage((damaged / name).read_bytes()))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, GPT2Config
 
-from finetune.errors import UsageError
+from finetune.errors import UsageError, first_line
 
 if TYPE_CHECKING:  # the model code (transformers' and the CNN's) is imported where a model is built
     from transformers import PretrainedConfig, PreTrainedModel
@@ -88,10 +88,6 @@ def build_cnn(shape: dict) -> PreTrainedModel:
     return LectureCNN(LectureCNNConfig(**shape))
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def check_model_files(model_dir: Path, what: str) -> None:
     """A local model dir's weight and tokenizer files, read as far as needed to
     know they are whole and of their kind, before transformers reads them (a
@@ -107,7 +103,7 @@ def check_model_files(model_dir: Path, what: str) -> None:
             with safe_open(str(file), "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise UsageError(f"{what}: {file} is not a whole safetensors file ({_first_line(e)}); copy or download "
+            raise UsageError(f"{what}: {file} is not a whole safetensors file ({first_line(e)}); copy or download "
                              "it again") from None
     for file in [] if safetensors else sorted(model_dir.glob("pytorch_model*.bin")):
         try:
@@ -121,7 +117,7 @@ def check_model_files(model_dir: Path, what: str) -> None:
         try:
             Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # noqa: BLE001  (the Rust reader's errors have no common type)
-            raise UsageError(f"{what}: {tokenizer_file} is not a tokenizer file ({_first_line(e)[:120]}); save the "
+            raise UsageError(f"{what}: {tokenizer_file} is not a tokenizer file ({first_line(e)[:120]}); save the "
                              "model's tokenizer with save_pretrained") from None
 
 
@@ -138,7 +134,7 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str) -> Pre
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UsageError(f"could not load --model {name_or_path} ({_first_line(e)}); pass a local HF model dir, "
+        raise UsageError(f"could not load --model {name_or_path} ({first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({presets})") from None
 
 
@@ -149,5 +145,5 @@ def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, tru
         return auto_class.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
                                           dtype=dtype)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights that do not fit the config
-        raise UsageError(f"could not load --model {name_or_path} ({_first_line(e)}); pass a local HF model dir, "
+        raise UsageError(f"could not load --model {name_or_path} ({first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id, or a preset ({presets})") from None
