@@ -292,6 +292,7 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "method": run.cfg.method,
         **run.task.summary_facts(),  # a preference run's reference: its parameters on each rank
         "fsdp_units": run.fsdp_units,
+        "parallelism": run.shards.mesh.as_dict(),  # dp_replicate x dp_shard x tp, read from the prepared parameters
         "local_params_per_rank": run.shards.local_params_per_rank,
         "peak_memory_bytes_per_rank": gather_ints(acc, peak_memory_bytes(acc, run.host)),
         # Host RAM (resident set) per rank: after the imports, its peak until the

@@ -36,6 +36,7 @@ from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
+from finetune.backends.mesh import data_parallel_size
 from finetune.collectives import WriteFailed, broadcast_from_main, on_every_rank
 from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
@@ -189,7 +190,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
     model, data = task.build(accelerator, backend, run_dir)
     train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
-    train_batches = EpochBatches(train_loader, accelerator, cfg.per_device_batch_size * accelerator.num_processes)
+    train_batches = EpochBatches(train_loader, accelerator, cfg.per_device_batch_size * data_parallel_size(accelerator))
     total_steps = cfg.max_steps or cfg.num_epochs * train_batches.steps_per_epoch(cfg.gradient_accumulation_steps)
     backend.check_model(accelerator, model)
     optimizer = build_optimizer(model, cfg)
@@ -230,11 +231,12 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
 def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
                     data: TaskData) -> tuple[DataLoader, DataLoader]:
-    """Loaders split between the ranks, refused when a rank would get no batch."""
-    global_batch = cfg.per_device_batch_size * accelerator.num_processes
-    if len(data.train) < global_batch:
+    """Loaders split between the data-parallel ranks (tensor-parallel ranks
+    share a batch), refused when a rank would get no batch."""
+    data_parallel = data_parallel_size(accelerator)
+    if len(data.train) < cfg.per_device_batch_size * data_parallel:
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
-                         f"({cfg.per_device_batch_size} x {accelerator.num_processes}); add data or lower "
+                         f"({cfg.per_device_batch_size} x {data_parallel}); add data or lower "
                          f"{task.batch_size_options}")
     # Each loader draws from its own generator: a new iterator (every epoch, every
     # evaluation, the first after a resume) would otherwise take a number from
@@ -335,12 +337,15 @@ def train_step(run: Run) -> StepResult:
     if not micro_batches:  # an epoch's last micro-batch ends it (after_step), so the next one has some
         raise RuntimeError(f"epoch {run.progress.epoch} has no micro-batch left yet did not end")
     epoch_end = run.train_batches.epoch_ended
+    # Sums over all ranks count each batch once per rank that reads it (the tensor-parallel ranks share one).
+    data_parallel = data_parallel_size(acc)
+    readers = acc.num_processes // data_parallel
     count, stop_votes = acc.reduce(torch.tensor(
-        [sum(run.task.targets(batch) for batch in micro_batches), run.stop.flag], dtype=torch.float64,
+        [sum(run.task.targets(batch) for batch in micro_batches) / readers, run.stop.flag], dtype=torch.float64,
         device=acc.device), reduction="sum").tolist()
     # Accelerate (or ZeRO's engine) divides every micro-batch by the accumulation
-    # steps and the gradient reduction averages over the ranks: undo both.
-    weight = cfg.gradient_accumulation_steps * acc.num_processes / max(count, 1)
+    # steps and the gradient reduction averages over the data-parallel ranks: undo both.
+    weight = cfg.gradient_accumulation_steps * data_parallel / max(count, 1)
     # Accelerate syncs the gradients (and ZeRO steps) when its counter
     # reaches gradient_accumulation_steps: start it so the step's last micro-batch does.
     acc.step = cfg.gradient_accumulation_steps - len(micro_batches)
@@ -359,7 +364,7 @@ def train_step(run: Run) -> StepResult:
     # One collective: the sums, and each rank's resident memory in its own slot.
     resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
     resident[acc.process_index] = resident_bytes()
-    loss_sum, units, *sums = acc.reduce(torch.cat([totals.double(), resident]), reduction="sum").tolist()
+    loss_sum, units, *sums = acc.reduce(torch.cat([totals.double() / readers, resident]), reduction="sum").tolist()
     metric_sums, resident = sums[:len(metric_names)], sums[len(metric_names):]
     return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
                       epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident],

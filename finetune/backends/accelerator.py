@@ -11,6 +11,7 @@ from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
 from finetune.backends import requested_backend
 from finetune.backends.base import Backend
+from finetune.backends.mesh import check_requested_mesh
 from finetune.errors import NotDistributed
 from finetune.hardware import check_processes_fit_devices, has_accelerator_device, launched_world_size
 from finetune.host_memory import keep_freed_memory_in_process
@@ -24,6 +25,7 @@ def build_accelerator(gradient_accumulation_steps: int, seed: int, log_with: lis
     backend = backend or requested_backend()
     end_with_launcher()
     check_processes_fit_devices()
+    check_requested_mesh(launched_world_size(), backend.mesh_dims, type(backend).__name__, has_accelerator_device())
     backend.check_supported_here()
     if not has_accelerator_device():
         keep_freed_memory_in_process()

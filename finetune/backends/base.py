@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
+from finetune.backends.mesh import Mesh
 from finetune.collectives import gather_ints
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, ModelShape
@@ -29,19 +30,24 @@ from finetune.verify import check_dcp_dir, check_pickled_file
 class ShardReport:
     total_params: int
     local_params_per_rank: list[int]
+    mesh: Mesh = Mesh()  # how the ranks split the work (summary.json's `parallelism`)
 
 
-def shard_report(model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
+def shard_report(model: torch.nn.Module, accelerator: Accelerator, mesh: Mesh | None = None) -> ShardReport:
     """Count this rank's share of the parameters and gather everyone's."""
     params = list(model.parameters())
     total = sum(full_numel(p) for p in params)
-    return ShardReport(total_params=total, local_params_per_rank=gather_ints(accelerator, sum(local_numel(p) for p in params)))
+    return ShardReport(total_params=total, local_params_per_rank=gather_ints(accelerator, sum(local_numel(p) for p in params)),
+                       mesh=mesh or Mesh(dp_replicate=accelerator.num_processes))
 
 
-def check_partition(report: ShardReport, what: str) -> None:
-    if sum(report.local_params_per_rank) < report.total_params or max(report.local_params_per_rank) >= report.total_params:
-        raise NotDistributed(f"{what} do not partition the model: per-rank {report.local_params_per_rank}, "
-                             f"total {report.total_params}; refusing to train unsharded")
+def check_partition(report: ShardReport, what: str, replicas: int = 1) -> None:
+    """Each rank holds less than the model, and the ranks of each of the
+    `replicas` hold all of it between them."""
+    local, total = report.local_params_per_rank, report.total_params
+    if sum(local) < replicas * total or max(local) >= total:
+        raise NotDistributed(f"{what} do not partition the model: per-rank {local}, total {total}"
+                             f"{f' in each of {replicas} replicas' if replicas > 1 else ''}; refusing to train unsharded")
 
 
 @dataclass
@@ -78,6 +84,8 @@ class Backend:
     # --- selection ------------------------------------------------------------------------------
 
     fallback: ClassVar[bool] = False  # chosen only when no other backend is asked for (whole replicas)
+    # The parallelism_config dimensions (finetune/backends/mesh.py) this backend lays a model out on.
+    mesh_dims: ClassVar[frozenset[str]] = frozenset()
     # Checkpoints store a tied parameter once and leave a frozen base out (checkpoint.StoredState).
     checkpoints_leave_out_stored_state: ClassVar[bool] = True
 

@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from finetune.backends.base import Backend, PlanInputs, ShardReport, check_partition, shard_report
+from finetune.backends.mesh import Mesh
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate
 from finetune.hardware import has_accelerator_device, launched_world_size
@@ -184,8 +185,11 @@ class DeepSpeed(Backend):
             config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
 
     def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
-        report = shard_report(model, accelerator)
-        if self.zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+        n = accelerator.num_processes
+        # ZeRO-3 splits the parameters over every rank; stages 1 and 2 keep them whole on each.
+        mesh = Mesh(dp_shard=n) if self.zero_stage(accelerator) == 3 else Mesh(dp_replicate=n)
+        report = shard_report(model, accelerator, mesh)
+        if self.zero_stage(accelerator) == 3 and n > 1:
             check_partition(report, "ZeRO-3 partitions")
         return report
 

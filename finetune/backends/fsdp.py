@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from finetune.backends.base import Backend, PlanInputs, ShardReport, check_partition, shard_report
+from finetune.backends.mesh import asked_mesh, mesh_of
 from finetune.collectives import use_gloo_collectives
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate
@@ -53,6 +54,7 @@ class FSDP2(Backend):
     weights_described = f"{MODEL_SHARDS_DIR}/ with DCP shards"
     fsdp_version: ClassVar[int] = 2
     keeps_a_shard_when_loaded = True
+    mesh_dims = frozenset({"dp_replicate", "dp_shard", "tp"})  # HSDP, and FSDP over tensor-parallel ranks
 
     @classmethod
     def requested(cls) -> bool:
@@ -146,15 +148,22 @@ class FSDP2(Backend):
         return model
 
     def verify_sharded(self, model: torch.nn.Module, accelerator: Accelerator) -> ShardReport:
-        """Fail loudly when FSDP was asked for and the parameters are not sharded."""
-        report = shard_report(model, accelerator)
+        """Fail loudly when FSDP was asked for and the parameters are not laid
+        out on the mesh the launch asked for: every parameter a DTensor, on a
+        mesh of the asked sizes, each replica's ranks holding the whole model between them."""
+        asked = asked_mesh(accelerator, fsdp=True)
         if accelerator.num_processes == 1:
-            return report
+            return shard_report(model, accelerator, asked)
         unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
         if unsharded:
             raise NotDistributed(f"FSDP was asked for but {len(unsharded)} parameters are not sharded "
                                  f"(first: {unsharded[0]}); refusing to train unsharded")
-        check_partition(report, "FSDP shards")
+        got = mesh_of(model) if self.fsdp_version == 2 else asked  # FSDP1's flat parameters carry no mesh
+        if got != asked:
+            raise NotDistributed(f"the launch asked for a mesh of {asked.describe()} ({asked.as_dict()}) but the "
+                                 f"parameters are laid out as {got.describe()} ({got.as_dict()}); refusing to train")
+        report = shard_report(model, accelerator, got)
+        check_partition(report, "FSDP shards", replicas=got.dp_replicate)
         return report
 
     def units(self, model: torch.nn.Module) -> int:
@@ -167,7 +176,8 @@ class FSDP2(Backend):
         return {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version, "zero_stage": None}
 
     def layout_line(self, accelerator: Accelerator, shards: ShardReport, units: int) -> str:
-        return (f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), "
+        mesh = f" as {shards.mesh.describe()}" if shards.mesh.dp_replicate > 1 or shards.mesh.tp > 1 else ""
+        return (f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es){mesh}, "
                 f"{shards.total_params:,} parameters in {units} FSDP unit(s), per rank {shards.local_params_per_rank}")
 
     def weights_from_main_process(self, accelerator: Accelerator) -> bool:
@@ -255,6 +265,7 @@ class FSDP1(FSDP2):
     no device). Same checkpoint layout and planner rows as FSDP2; Accelerate
     gathers its final state whole on the main process."""
     fsdp_version = 1
+    mesh_dims = frozenset()
 
     @classmethod
     def requested(cls) -> bool:

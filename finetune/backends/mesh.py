@@ -1,0 +1,132 @@
+"""The device mesh: how the ranks split the work, as Accelerate's
+`parallelism_config` asks (the `parallelism_config_*` keys of an accelerate
+config, or `--parallelism_config_*` on `accelerate launch`) and as the
+parameters of a prepared model show it.
+
+    dp_replicate  whole copies of the (sharded) model; gradients are averaged across them
+    dp_shard      ranks each copy's parameters, gradients and optimizer state are split over (FSDP)
+    tp            ranks each layer's matrices are split over (tensor parallel); they read the same batch
+
+HSDP is dp_replicate > 1 with dp_shard > 1: on N nodes of G GPUs, replicate N and
+shard G keeps every per-layer collective inside a node.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from finetune.errors import UsageError
+
+ENV_PREFIX = "PARALLELISM_CONFIG_"  # what `accelerate launch` sets from the config's parallelism_config keys
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def size(self) -> int:
+        return self.data_parallel * self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = [f"{self.dp_replicate} replicas" if self.dp_replicate > 1 else "",
+                 f"{self.dp_shard} shards" if self.dp_shard > 1 else "",
+                 f"tensor parallel {self.tp}" if self.tp > 1 else ""]
+        return " x ".join(p for p in parts if p) or "1 rank"
+
+
+def requested_mesh() -> dict[str, int] | None:
+    """The sizes the launch asks for (accelerate's names without the prefix:
+    dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size); None when it
+    sets no parallelism_config."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    sizes = {}
+    for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        value = os.environ.get(ENV_PREFIX + name.upper(), "1")
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"parallelism_config_{name}: {value!r} is not a positive number of ranks; "
+                             "set it in the accelerate config or with --parallelism_config_" + name)
+        sizes[name] = int(value)
+    return sizes
+
+
+def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on_gpu: bool) -> None:
+    """One line, before any process group, for a mesh this run cannot have.
+    `takes`: the mesh dimensions the backend lays a model out on ("dp_replicate",
+    "dp_shard", "tp"); `layout`: the backend, for messages."""
+    sizes = requested_mesh()
+    if sizes is None:
+        return
+    for name in ("cp_size", "sp_size"):
+        if sizes[name] > 1:
+            kind = "context" if name == "cp_size" else "sequence"
+            where = ("needs GPUs (its attention kernels are CUDA's) and this machine has none" if not on_gpu
+                     else "is not run by finetune's training loop")
+            raise UsageError(f"parallelism_config_{name}: {sizes[name]} asks for {kind} parallelism, which {where}; "
+                             "set it to 1 (for long sequences, fsdp_activation_checkpointing.yaml saves activation "
+                             "memory instead)")
+    unsupported = [f"{dim} {sizes[dim + '_size']}" for dim in ("dp_replicate", "dp_shard", "tp")
+                   if sizes[dim + "_size"] > 1 and dim not in takes]
+    if unsupported:
+        raise UsageError(f"the parallelism_config asks for {', '.join(unsupported)}, which this launch's backend "
+                         f"({layout}) does not lay a model out on; launch replicas and shards (HSDP) with `--config_file $(finetune configs "
+                         "--path hsdp)` or tensor parallelism with `--config_file $(finetune configs --path tp)`")
+    product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
+    if product != world_size:
+        raise UsageError(f"the parallelism_config mesh is dp_replicate {sizes['dp_replicate_size']} x dp_shard "
+                         f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
+                         f"were launched; make the sizes multiply to --num_processes (or launch {product})")
+    if "dp_shard" in takes and sizes["dp_shard_size"] == 1:
+        raise UsageError("the parallelism_config leaves FSDP nothing to shard over (parallelism_config_dp_shard_size: "
+                         "1); set dp_shard_size to the ranks each copy is split over, or launch whole replicas with "
+                         "`--config_file $(finetune configs --path ddp)`")
+
+
+def data_parallel_size(accelerator) -> int:
+    """Ranks that read different batches: the world size, divided by the
+    tensor-parallel ranks that share one."""
+    config = accelerator.parallelism_config
+    return accelerator.num_processes // (config.tp_size if config is not None else 1)
+
+
+def asked_mesh(accelerator, fsdp: bool) -> Mesh:
+    """What the launch asked for; without a parallelism_config, FSDP shards over
+    every rank and anything else keeps whole replicas."""
+    n = accelerator.num_processes
+    sizes = requested_mesh()
+    if sizes is None:
+        return Mesh(dp_shard=n) if fsdp and n > 1 else Mesh(dp_replicate=n)
+    return Mesh(sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes["tp_size"])
+
+
+def mesh_of(model: torch.nn.Module) -> Mesh | None:
+    """The mesh the model's parameters are laid out on, read from their DTensor
+    device meshes; None when no parameter is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    replicate = shard = tp = 1
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        names = p.device_mesh.mesh_dim_names or ("dp_shard",) * p.device_mesh.ndim
+        sizes = dict(zip(names, p.device_mesh.shape))
+        replicate = max(replicate, math.prod(s for n, s in sizes.items() if n == "dp_replicate"))
+        tp = max(tp, math.prod(s for n, s in sizes.items() if n == "tp"))
+        shard = max(shard, math.prod(s for n, s in sizes.items() if n not in ("dp_replicate", "tp")))
+    found = any(isinstance(p, DTensor) for p in model.parameters())
+    return Mesh(replicate, shard, tp) if found else None
