@@ -54,7 +54,7 @@ class FSDP2(Backend):
     weights_described = f"{MODEL_SHARDS_DIR}/ with DCP shards"
     fsdp_version: ClassVar[int] = 2
     keeps_a_shard_when_loaded = True
-    mesh_dims = frozenset({"dp_replicate", "dp_shard", "tp"})  # HSDP, and FSDP over tensor-parallel ranks
+    mesh_dims = frozenset({"dp_replicate", "dp_shard"})  # flat FSDP, and HSDP
 
     @classmethod
     def requested(cls) -> bool:

@@ -5,7 +5,9 @@ parameters of a prepared model show it.
 
     dp_replicate  whole copies of the (sharded) model; gradients are averaged across them
     dp_shard      ranks each copy's parameters, gradients and optimizer state are split over (FSDP)
-    tp            ranks each layer's matrices are split over (tensor parallel); they read the same batch
+    tp            ranks each layer's matrices are split over (tensor parallel); they read the same
+                  batch. Refused for now (check_requested_mesh says why); the loop already
+                  counts batches by the data-parallel size.
 
 HSDP is dp_replicate > 1 with dp_shard > 1: on N nodes of G GPUs, replicate N and
 shard G keeps every per-layer collective inside a node.
@@ -80,18 +82,27 @@ def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on
             raise UsageError(f"parallelism_config_{name}: {sizes[name]} asks for {kind} parallelism, which {where}; "
                              "set it to 1 (for long sequences, fsdp_activation_checkpointing.yaml saves activation "
                              "memory instead)")
+    if sizes["tp_size"] > 1:
+        # Measured with accelerate 1.15 and transformers 5.24: Accelerate's FSDP2
+        # tensor-parallel step imports transformers' ReplicateParallel, which
+        # transformers 5 removed, and transformers' own tp_plan loading builds a
+        # device mesh of its own, which FSDP2 cannot combine with Accelerate's.
+        raise UsageError(f"parallelism_config_tp_size: {sizes['tp_size']} asks for tensor parallelism, which finetune "
+                         "does not run with this Accelerate and transformers (their tensor-parallel paths no longer "
+                         "fit together); set it to 1 and shard with `--config_file $(finetune configs --path hsdp)` "
+                         "or `fsdp`")
     unsupported = [f"{dim} {sizes[dim + '_size']}" for dim in ("dp_replicate", "dp_shard", "tp")
                    if sizes[dim + "_size"] > 1 and dim not in takes]
     if unsupported:
         raise UsageError(f"the parallelism_config asks for {', '.join(unsupported)}, which this launch's backend "
-                         f"({layout}) does not lay a model out on; launch replicas and shards (HSDP) with `--config_file $(finetune configs "
-                         "--path hsdp)` or tensor parallelism with `--config_file $(finetune configs --path tp)`")
+                         f"({layout}) does not lay a model out on; launch replicas and shards (HSDP) with "
+                         "`--config_file $(finetune configs --path hsdp)`")
     product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
     if product != world_size:
         raise UsageError(f"the parallelism_config mesh is dp_replicate {sizes['dp_replicate_size']} x dp_shard "
                          f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
                          f"were launched; make the sizes multiply to --num_processes (or launch {product})")
-    if "dp_shard" in takes and sizes["dp_shard_size"] == 1:
+    if "dp_shard" in takes and sizes["dp_shard_size"] == 1 and world_size > 1:
         raise UsageError("the parallelism_config leaves FSDP nothing to shard over (parallelism_config_dp_shard_size: "
                          "1); set dp_shard_size to the ranks each copy is split over, or launch whole replicas with "
                          "`--config_file $(finetune configs --path ddp)`")
