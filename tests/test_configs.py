@@ -144,21 +144,25 @@ def test_config_runs_as_its_header_documents(config, tmp_path, env, small_corpus
     assert all(math.isfinite(r["loss"]) for r in train_rows(run_dir))
     total, local = facts["total_params"], facts["local_params_per_rank"]
     if settings["distributed_type"] == "FSDP":
-        assert facts["distributed_type"] == "FSDP" and sum(local) == total and max(local) < total
+        # Each replica's ranks hold the whole model between them (one replica but under HSDP).
+        mesh = settings.get("parallelism_config", {})
+        replicas, shards = (mesh.get(f"parallelism_config_dp_{d}_size", 1) for d in ("replicate", "shard"))
+        assert facts["parallelism"] == {"dp_replicate": replicas, "dp_shard": shards if mesh else len(local), "tp": 1}
+        assert facts["distributed_type"] == "FSDP" and sum(local) == replicas * total and max(local) < total
     else:
         assert local == [total] * settings["num_processes"]
 
 
 def test_multinode_on_one_machine(tmp_path, env, small_corpus):
-    """Two `accelerate launch` commands, machine ranks 0 and 1, one process each:
-    one FSDP job whose shards are split across the two "machines"."""
+    """Two `accelerate launch` commands, machine ranks 0 and 1, two processes each:
+    one HSDP job, a replica on each "machine" sharded over its two ranks."""
     run_dir = tmp_path / "run"
     port = str(free_port())
     procs = []
     for machine_rank in ("0", "1"):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multinode.yaml"),
                "--num_machines", "2", "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1",
-               "--main_process_port", port, "--num_processes", "2",
+               "--main_process_port", port, "--num_processes", "4",
                "-m", "finetune", "train", *common_args(small_corpus), "--max_steps", "3",
                "--output_dir", str(run_dir)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -167,9 +171,10 @@ def test_multinode_on_one_machine(tmp_path, env, small_corpus):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     facts = summary(run_dir)
-    assert facts["distributed_type"] == "FSDP" and facts["world_size"] == 2
+    assert facts["distributed_type"] == "FSDP" and facts["world_size"] == 4
+    assert facts["parallelism"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
     assert facts["mixed_precision"] == "bf16"  # the config's own, as documented
-    assert sum(facts["local_params_per_rank"]) == facts["total_params"]
-    assert all(n < facts["total_params"] for n in facts["local_params_per_rank"])
+    local, total = facts["local_params_per_rank"], facts["total_params"]
+    assert sum(local[:2]) == sum(local[2:]) == total and max(local) < 0.6 * total  # each machine holds one replica
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_000003" / "pytorch_model_fsdp_0").glob("*.distcp"))
-    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one per machine
+    assert shards == [f"__{rank}_0.distcp" for rank in range(4)]

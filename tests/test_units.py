@@ -814,3 +814,31 @@ def test_a_failed_write_gets_the_fix_of_its_cause():
         assert fix == f"move aside what is already in the way under {where}", code
         assert "free space" not in fix
     assert "free space" not in write_failure_fix("CheckpointException: something else", where)
+
+
+MESH_ENV = {"dp_replicate_size": "1", "dp_shard_size": "1", "tp_size": "1", "cp_size": "1", "sp_size": "1"}
+
+
+@pytest.mark.parametrize("sizes, world, dims, problem", [
+    ({"dp_replicate_size": "2", "dp_shard_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "= 4 ranks, but 2 were launched"),
+    ({"dp_replicate_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "leaves FSDP nothing to shard over"),
+    ({"dp_shard_size": "2", "tp_size": "2"}, 4, {"dp_replicate", "dp_shard"}, "asks for tensor parallelism"),
+    ({"dp_shard_size": "2", "cp_size": "2"}, 4, {"dp_replicate", "dp_shard"}, "asks for context parallelism"),
+    ({"sp_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "asks for sequence parallelism"),
+    ({"dp_replicate_size": "2", "dp_shard_size": "2"}, 4, set(), "backend (DDP) does not lay a model out on"),
+    ({"dp_shard_size": "two"}, 2, {"dp_shard"}, "'two' is not a positive number of ranks"),
+])
+def test_a_mesh_the_run_cannot_have_is_refused_in_one_line(monkeypatch, sizes, world, dims, problem):
+    from finetune.backends.mesh import check_requested_mesh
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name, value in {**MESH_ENV, **sizes}.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", value)
+    with pytest.raises(UsageError) as refused:
+        check_requested_mesh(world, frozenset(dims), "DDP", on_gpu=False)
+    message = str(refused.value)
+    assert problem in message and "\n" not in message
+    # ...and the mesh it can have passes.
+    for name, value in {**MESH_ENV, "dp_replicate_size": "2", "dp_shard_size": "2"}.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", value)
+    check_requested_mesh(4, frozenset({"dp_replicate", "dp_shard"}), "FSDP2", on_gpu=False)
