@@ -287,6 +287,13 @@ def _add_estimate_memory(sub) -> None:
     memory = sub.add_parser("estimate-memory", help="predict per-device memory under DDP / FSDP variants")
     memory.add_argument("--model", required=True, metavar="NAME_OR_PATH", help="preset, HF model dir or Hub id")
     memory.add_argument("--num_processes", type=positive_int, default=None, help="ranks (default: the accelerate config's, else 2)")
+    memory.add_argument("--num_machines", type=positive_int, default=None,
+                        help="nodes the processes are spread over: adds HSDP rows (a replica per whole number of "
+                             "nodes), each layout's traffic within and across nodes, and a recommendation "
+                             "(default: the accelerate config's, else 1)")
+    memory.add_argument("--dp_replicate_size", type=positive_int, default=None,
+                        help="plan this HSDP layout: replicas, each sharded over num_processes / replicas ranks "
+                             "(default: the accelerate config's parallelism_config_dp_replicate_size)")
     memory.add_argument("--accelerate_config", default=None, metavar="FILE",
                         help="take mixed precision and processes from this config and mark its strategy (default: None)")
     memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
@@ -479,7 +486,7 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from finetune.memory import estimate, host_ram, model_shape, read_launch_config, render
+    from finetune.memory import estimate, host_ram, hsdp_meshes, model_shape, read_launch_config, render, render_traffic
 
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
@@ -494,14 +501,18 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     reference_copy = args.method == "dpo" and not method.saves_adapters
+    num_machines = args.num_machines or launch.num_machines
+    hsdp = hsdp_meshes(num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method != "sft",
-                         reference_copy=reference_copy)
+                         reference_copy=reference_copy, hsdp=hsdp)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
     # final save, which gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
+    if num_machines > 1 or hsdp:
+        print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory))
     if reference_copy:
         from finetune.backends import REGISTRY as BACKENDS
 

@@ -54,6 +54,7 @@ class Estimate:
     sharded: bool = True  # each rank holds a share of the state (with more than one process)
     cpu_calibrated: bool = False  # a CPU run's peak_rss is predicted (calibrated against measured runs)
     reference: int = 0  # DPO's frozen reference model (no gradients, no optimizer state)
+    mesh: tuple[int, int] | None = None  # (replicas, shards) of an FSDP layout, for its traffic
 
     @property
     def state(self) -> int:
@@ -91,3 +92,33 @@ def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> in
     """What a CPU rank's resident set peaks at (see the module docstring)."""
     churn = (HEAP_CHURN_SHARDED if sharded else HEAP_CHURN_ONE_PROCESS) * 4 * shape.heap_params
     return RUNTIME_BYTES + max(load, e.total + int(churn))
+
+
+@dataclass
+class Traffic:
+    """Bytes one GPU sends per optimizer step under a fully sharded layout of
+    `replicas` x `shards` ranks on nodes of `gpus_per_node`, by ring collectives
+    (each rank sends (n-1)/n of the buffer per all-gather or reduce-scatter, twice
+    that per all-reduce). A collective whose group spans nodes runs at the speed
+    of the links between them, so all its bytes count as across nodes."""
+    within_node: int
+    across_nodes: int
+    collectives_across: int  # collectives per step whose group spans nodes
+
+
+def fsdp_traffic(params: int, trainable: int, units: int, replicas: int, shards: int, gpus_per_node: int,
+                 compute_bytes: int, reduce_bytes: int) -> Traffic:
+    """Within each replica: every unit all-gathered for forward and again for
+    backward (reshard after forward) in the compute dtype, the trained
+    parameters' gradients reduce-scattered in the reduce dtype; across
+    replicas: each rank's gradient shard all-reduced. Replicas are laid out a
+    whole number of nodes apart (or several to a node when one is smaller than a node)."""
+    gathers = 2 * (shards - 1) * params * compute_bytes // shards
+    reduce_scatter = (shards - 1) * trainable * reduce_bytes // shards
+    all_reduce = 2 * (replicas - 1) * -(-trainable // shards) * reduce_bytes // replicas
+    shards_span_nodes = shards > gpus_per_node
+    replicas_span_nodes = replicas > 1 and shards * replicas > gpus_per_node
+    within = (0 if shards_span_nodes else gathers + reduce_scatter) + (0 if replicas_span_nodes else all_reduce)
+    across = (gathers + reduce_scatter if shards_span_nodes else 0) + (all_reduce if replicas_span_nodes else 0)
+    collectives = (3 * units if shards_span_nodes else 0) + (units if replicas_span_nodes else 0)
+    return Traffic(within, across, collectives)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import README_SKIPPED, readme_commands
+from conftest import README_SKIPPED, REPO, readme_commands
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +46,19 @@ def test_readme_memory_planner_example(readme_workdir):
 
     assert 48.0 <= state_gb("DDP") < 49.0 and rows["DDP"][-1] == "no"
     assert 12.0 <= state_gb("FSDP full shard") < 12.5 and rows["FSDP full shard"][-1] == "yes"
+
+
+def test_readme_multinode_plan_is_what_the_planner_prints(readme_workdir):
+    """The 8 x 8 plan of a 70B Llama: every table row and recommendation the
+    README prints after its two estimate-memory commands is in their output."""
+    readme = (REPO / "README.md").read_text()
+    plan = readme[readme.index("**A plan for 8 nodes x 8 GPUs"):readme.index("A test runs these commands as printed")]
+    log = (readme_workdir / "commands.log").read_text()
+    outputs = log[log.index("$ finetune estimate-memory --model llama-3-70b"):]
+    printed = [line for line in plan.splitlines() if line.startswith(("| FSDP", "| HSDP", "Recommended:"))]
+    assert len(printed) >= 12
+    for line in printed:
+        assert line in outputs, line
+    # What the prose draws from them.
+    assert "Recommended: FSDP 1 x 64 with activation checkpointing" in plan
+    assert "Recommended: HSDP 8 x 8 with activation checkpointing" in plan

@@ -66,6 +66,7 @@ class PlanInputs:
     frozen_shard: int         # and a rank's share of it
     reference_whole: int = 0  # DPO's frozen reference model, whole (0 where there is none)
     reference_shard: int = 0  # and a rank's share of it
+    hsdp_meshes: tuple[tuple[int, int], ...] = ()  # (replicas, shards) of the HSDP layouts to plan
 
 
 OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded optimizer

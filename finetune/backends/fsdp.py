@@ -32,7 +32,7 @@ from finetune.backends.base import Backend, PlanInputs, ShardReport, check_parti
 from finetune.backends.mesh import asked_mesh, mesh_of
 from finetune.collectives import use_gloo_collectives
 from finetune.errors import NotDistributed, UsageError
-from finetune.estimates import Estimate
+from finetune.estimates import Estimate, frozen_bytes
 from finetune.hardware import has_accelerator_device
 from finetune.model_dir import Weights
 from finetune.verify import check_dcp_dir
@@ -234,6 +234,10 @@ class FSDP2(Backend):
             return "FSDP + activation checkpointing"
         if fsdp.get("fsdp_reshard_after_forward") is False:
             return "FSDP SHARD_GRAD_OP"
+        mesh = launch.get("parallelism_config") or {}
+        replicas = int(mesh.get("parallelism_config_dp_replicate_size", 1))
+        if replicas > 1:
+            return f"HSDP {replicas} x {int(launch.get('num_processes', 2)) // replicas}"
         return "FSDP full shard"
 
     @classmethod
@@ -244,19 +248,30 @@ class FSDP2(Backend):
     def plan(cls, p: PlanInputs) -> list[Estimate]:
         """1/N of the state; while a unit computes, a gathered copy of it in the
         compute dtype (two with prefetch); SHARD_GRAD_OP keeps every unit
-        gathered from forward to backward; offload moves the state to CPU RAM."""
-        trained = -(-(p.shape.trainable or p.shape.params) // p.num_processes)  # ceil: FSDP pads the last shard
-        weights = p.frozen_shard + p.trained_bytes * trained
-        grads, moments = p.trained_bytes * trained, 2 * p.trained_bytes * trained
+        gathered from forward to backward; offload moves the state to CPU RAM.
+        HSDP: the state split over one replica's ranks only."""
         every_unit = p.shape.params * p.compute_bytes if p.num_processes > 1 else 0
-        reference = p.reference_shard  # sharded as the parameters are (offloaded with them)
-        return [Estimate("FSDP full shard", weights, grads, moments, p.gather_units, p.activations, cpu_calibrated=True,
-                         reference=reference),
-                Estimate("FSDP SHARD_GRAD_OP", weights, grads, moments, every_unit, p.activations, cpu_calibrated=True,
-                         reference=reference),
-                Estimate("FSDP + activation checkpointing", weights, grads, moments, p.gather_units,
-                         p.checkpointed_activations, cpu_calibrated=True, reference=reference),
+
+        def sharded_over(shards: int, strategy: str, gathered: int, activations: int, **kwargs) -> Estimate:
+            trained = -(-(p.shape.trainable or p.shape.params) // shards)  # ceil: FSDP pads the last shard
+            reference = p.weight_bytes * -(-p.shape.params // shards) if p.reference_whole else 0
+            return Estimate(strategy, frozen_bytes(p.shape, p.weight_bytes, shards) + p.trained_bytes * trained,
+                            p.trained_bytes * trained, 2 * p.trained_bytes * trained, gathered, activations,
+                            reference=reference, **kwargs)
+
+        n, flat = p.num_processes, (1, p.num_processes)
+        rows = [sharded_over(n, "FSDP full shard", p.gather_units, p.activations, cpu_calibrated=True, mesh=flat),
+                sharded_over(n, "FSDP SHARD_GRAD_OP", every_unit, p.activations, cpu_calibrated=True),
+                sharded_over(n, "FSDP + activation checkpointing", p.gather_units, p.checkpointed_activations,
+                             cpu_calibrated=True, mesh=flat),
                 Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, p.gather_units, p.activations)]
+        for replicas, shards in p.hsdp_meshes:
+            name = f"HSDP {replicas} x {shards}"
+            rows += [sharded_over(shards, name, p.gather_units, p.activations, mesh=(replicas, shards),
+                                  no_peak_rss="not calibrated"),
+                     sharded_over(shards, f"{name} + activation checkpointing", p.gather_units,
+                                  p.checkpointed_activations, mesh=(replicas, shards), no_peak_rss="not calibrated")]
+        return rows
 
 
 class FSDP1(FSDP2):
