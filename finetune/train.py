@@ -193,6 +193,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     train_batches = EpochBatches(train_loader, accelerator, cfg.per_device_batch_size * data_parallel_size(accelerator))
     total_steps = cfg.max_steps or cfg.num_epochs * train_batches.steps_per_epoch(cfg.gradient_accumulation_steps)
     backend.check_model(accelerator, model)
+    backend.split_layers(accelerator, model)
     optimizer = build_optimizer(model, cfg)
     backend.fit_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))

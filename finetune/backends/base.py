@@ -139,6 +139,10 @@ class Backend:
     def check_model(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
         """What `prepare` would refuse with a traceback, refused before it in one line."""
 
+    def split_layers(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        """Splits the model's matrices over the tensor-parallel ranks, in place,
+        before the optimizer sees its parameters; nothing where there are none."""
+
     def fit_to_run(self, accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
         """The run's options where the engine would otherwise use its own; before `prepare`."""
 

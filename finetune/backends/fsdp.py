@@ -54,7 +54,7 @@ class FSDP2(Backend):
     weights_described = f"{MODEL_SHARDS_DIR}/ with DCP shards"
     fsdp_version: ClassVar[int] = 2
     keeps_a_shard_when_loaded = True
-    mesh_dims = frozenset({"dp_replicate", "dp_shard"})  # flat FSDP, and HSDP
+    mesh_dims = frozenset({"dp_replicate", "dp_shard", "tp"})  # flat FSDP, HSDP, and FSDP over tensor-parallel ranks
 
     @classmethod
     def requested(cls) -> bool:
@@ -123,6 +123,49 @@ class FSDP2(Backend):
                              f"forward) an FSDP unit, and FSDP2 cannot; launch {type(model).__name__} with "
                              "`--config_file $(finetune configs --path fsdp)` (a unit per transformer block)")
 
+    def tensor_parallel(self, accelerator: Accelerator) -> int:
+        config = accelerator.parallelism_config
+        return config.tp_size if config is not None else 1
+
+    def split_layers(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        """Tensor parallel: transformers' own plan for the model (its config's
+        `base_model_tp_plan`: which matrices split by rows, which by columns, and
+        the hooks that gather their outputs), applied on the `tp` ranks of
+        Accelerate's mesh, so that `prepare` can shard the result over the
+        other ranks of the same mesh (a mesh of transformers' own would not
+        combine with it)."""
+        size = self.tensor_parallel(accelerator)
+        if size == 1:
+            return
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        base = accelerator.unwrap_model(model)
+        if hasattr(base, "peft_config"):
+            raise UsageError(f"parallelism_config_tp_size {size} with --peft: finetune splits full models over "
+                             "tensor-parallel ranks, not adapters; drop --peft, or train the adapters with "
+                             "`--config_file $(finetune configs --path fsdp)` (they need far less memory)")
+        if not getattr(base.config, "base_model_tp_plan", None):
+            raise UsageError(f"{type(base).__name__} has no tensor-parallel plan in transformers, so "
+                             "parallelism_config_tp_size must be 1 for it; train it with `--config_file $(finetune "
+                             "configs --path hsdp)` or `fsdp`, or pick a family with a plan (Llama, Qwen2, Mistral, ...)")
+        plan, _, _ = base._resolve_parallel_plans(DistributedConfig(tp_size=size))  # the plan, one entry per layer
+        apply_tensor_parallelism(base, accelerator.torch_device_mesh["tp"], plan)
+        self.leave_loading_to_the_ranks(accelerator)  # each rank holds its split weights already: nothing to send
+
+    def fit_to_run(self, accelerator: Accelerator, micro_batch_size: int, max_grad_norm: float) -> None:
+        """Under tensor parallelism, `prepare` shards the model as it shards any
+        other: `split_layers` made the split matrices DTensors, and transformers'
+        hooks keep the replicated ones' gradients whole across the tensor-parallel
+        ranks. Accelerate 1.15's own tensor-parallel step for FSDP2 (`_prepare_tp`)
+        would redo the latter with a class transformers 5 no longer has
+        (ImportError: ReplicateParallel), so the model's `prepare` skips it."""
+        if self.tensor_parallel(accelerator) == 1:
+            return
+        prepare_tp = accelerator._prepare_tp
+        accelerator._prepare_tp = lambda *args: (
+            list(args) if any(isinstance(a, torch.nn.Module) for a in args) else prepare_tp(*args))
+
     def after_prepare(self, model: torch.nn.Module) -> None:
         use_gloo_collectives(model)
 
@@ -143,6 +186,10 @@ class FSDP2(Backend):
         optimizer, and what it prepares it also checkpoints."""
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+        if self.tensor_parallel(accelerator) > 1:
+            raise UsageError("a frozen reference model (--method dpo without --peft) is not split over "
+                             "tensor-parallel ranks; set parallelism_config_tp_size to 1 (`--config_file "
+                             "$(finetune configs --path fsdp)` or `hsdp`)")
         model = fsdp2_prepare_model(accelerator, model.requires_grad_(False).eval())
         self.after_prepare(model)
         return model
@@ -185,7 +232,8 @@ class FSDP2(Backend):
         the weights; `prepare` shards the model on the meta device and sends every
         rank its shards from the main process's copy (Accelerate's
         fsdp2_load_full_state_dict). A run holds one full copy, not one per rank."""
-        return accelerator.num_processes > 1 and bool(accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+        return (accelerator.num_processes > 1 and bool(accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+                and self.tensor_parallel(accelerator) == 1)  # tensor parallel: every rank loads, then splits
 
     def leave_loading_to_the_ranks(self, accelerator: Accelerator) -> None:
         accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False

@@ -82,15 +82,6 @@ def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on
             raise UsageError(f"parallelism_config_{name}: {sizes[name]} asks for {kind} parallelism, which {where}; "
                              "set it to 1 (for long sequences, fsdp_activation_checkpointing.yaml saves activation "
                              "memory instead)")
-    if sizes["tp_size"] > 1:
-        # Measured with accelerate 1.15 and transformers 5.24: Accelerate's FSDP2
-        # tensor-parallel step imports transformers' ReplicateParallel, which
-        # transformers 5 removed, and transformers' own tp_plan loading builds a
-        # device mesh of its own, which FSDP2 cannot combine with Accelerate's.
-        raise UsageError(f"parallelism_config_tp_size: {sizes['tp_size']} asks for tensor parallelism, which finetune "
-                         "does not run with this Accelerate and transformers (their tensor-parallel paths no longer "
-                         "fit together); set it to 1 and shard with `--config_file $(finetune configs --path hsdp)` "
-                         "or `fsdp`")
     unsupported = [f"{dim} {sizes[dim + '_size']}" for dim in ("dp_replicate", "dp_shard", "tp")
                    if sizes[dim + "_size"] > 1 and dim not in takes]
     if unsupported:

@@ -56,11 +56,14 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def can_chunk(model: torch.nn.Module) -> bool:
-    """A linear output layer whose scores the model uses as they are."""
+    """A linear output layer whose scores the model uses as they are, and
+    whole on each rank once gathered (not split over tensor-parallel ranks,
+    whose hooks gather its scores instead)."""
     inner = unwrapped(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     transforms = [name for name in LOGIT_TRANSFORMS if getattr(inner.config, name, None) not in (None, 1, 1.0)]
-    return isinstance(head, torch.nn.Linear) and not transforms
+    split = getattr(head, "_is_hooked", False)  # transformers' tensor-parallel plan put its hooks on it
+    return isinstance(head, torch.nn.Linear) and not transforms and not split
 
 
 class LinearCrossEntropy(torch.autograd.Function):
