@@ -292,8 +292,11 @@ def _add_estimate_memory(sub) -> None:
                              "nodes), each layout's traffic within and across nodes, and a recommendation "
                              "(default: the accelerate config's, else 1)")
     memory.add_argument("--dp_replicate_size", type=positive_int, default=None,
-                        help="plan this HSDP layout: replicas, each sharded over num_processes / replicas ranks "
+                        help="plan this HSDP layout: replicas, each sharded over the rest of the ranks "
                              "(default: the accelerate config's parallelism_config_dp_replicate_size)")
+    memory.add_argument("--tp_size", type=positive_int, default=None,
+                        help="plan tensor parallelism over this many ranks under FSDP "
+                             "(default: the accelerate config's parallelism_config_tp_size)")
     memory.add_argument("--accelerate_config", default=None, metavar="FILE",
                         help="take mixed precision and processes from this config and mark its strategy (default: None)")
     memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
@@ -486,7 +489,8 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from finetune.memory import estimate, host_ram, hsdp_meshes, model_shape, read_launch_config, render, render_traffic
+    from finetune.memory import (estimate, host_ram, model_shape, planned_meshes, read_launch_config, render,
+                                 render_traffic)
 
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
@@ -502,17 +506,20 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     reference_copy = args.method == "dpo" and not method.saves_adapters
     num_machines = args.num_machines or launch.num_machines
-    hsdp = hsdp_meshes(num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate)
+    meshes = planned_meshes(shape, num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate,
+                            args.tp_size or launch.tp)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method != "sft",
-                         reference_copy=reference_copy, hsdp=hsdp)
+                         reference_copy=reference_copy, meshes=meshes)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
     # final save, which gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
-    if num_machines > 1 or hsdp:
-        print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory))
+    if num_machines > 1 or meshes:
+        sequences = args.per_device_batch_size * (2 if args.method != "sft" else 1)  # a pair's two sequences
+        print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory,
+                                    tokens=sequences * args.block_size))
     if reference_copy:
         from finetune.backends import REGISTRY as BACKENDS
 

@@ -39,6 +39,7 @@ class ModelShape:
     four_bit_bytes_per_weight: float = 0.0  # what each of those takes, their scales included
     largest_tensor: int = 0  # elements of the largest parameter
     own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
+    tp_plan: bool = False     # transformers has a tensor-parallel plan for the model
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Estimate:
     sharded: bool = True  # each rank holds a share of the state (with more than one process)
     cpu_calibrated: bool = False  # a CPU run's peak_rss is predicted (calibrated against measured runs)
     reference: int = 0  # DPO's frozen reference model (no gradients, no optimizer state)
-    mesh: tuple[int, int] | None = None  # (replicas, shards) of an FSDP layout, for its traffic
+    mesh: tuple[int, int, int] | None = None  # (replicas, shards, tensor parallel) of an FSDP layout, for its traffic
 
     @property
     def state(self) -> int:
@@ -66,11 +67,14 @@ class Estimate:
 
 
 def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,
-                     checkpointing: bool = False, loss_chunk_size: int = 0) -> int:
+                     checkpointing: bool = False, loss_chunk_size: int = 0, tensor_parallel: int = 1) -> int:
+    """`tensor_parallel` ranks split the attention and MLP activations, 24 of
+    the 34 (Korthikanti et al.), and compute the full logits (the output
+    layer's scores are gathered, so the chunked loss is off)."""
     tokens = batch * block_size
-    per_layer = 34 * shape.hidden * tokens * compute_bytes // 2
+    per_layer = int((10 + 24 / tensor_parallel) * shape.hidden * tokens * compute_bytes) // 2
     layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
-    if not loss_chunk_size:
+    if not loss_chunk_size or tensor_parallel > 1:
         # The logits, their fp32 copy and gradient, and the output layer's weight gradient.
         return (layers + tokens * shape.vocab * (compute_bytes + 4 + 4)
                 + shape.vocab * shape.hidden * compute_bytes)
@@ -96,29 +100,35 @@ def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> in
 
 @dataclass
 class Traffic:
-    """Bytes one GPU sends per optimizer step under a fully sharded layout of
-    `replicas` x `shards` ranks on nodes of `gpus_per_node`, by ring collectives
-    (each rank sends (n-1)/n of the buffer per all-gather or reduce-scatter, twice
-    that per all-reduce). A collective whose group spans nodes runs at the speed
-    of the links between them, so all its bytes count as across nodes."""
+    """Bytes one GPU sends per optimizer step under a fully sharded layout on
+    nodes of `gpus_per_node`, by ring collectives (each rank sends (n-1)/n of
+    the buffer per all-gather or reduce-scatter, twice that per all-reduce). A
+    collective whose group spans nodes runs at the speed of the links between
+    them, so all its bytes count as across nodes."""
     within_node: int
     across_nodes: int
     collectives_across: int  # collectives per step whose group spans nodes
 
 
-def fsdp_traffic(params: int, trainable: int, units: int, replicas: int, shards: int, gpus_per_node: int,
-                 compute_bytes: int, reduce_bytes: int) -> Traffic:
-    """Within each replica: every unit all-gathered for forward and again for
-    backward (reshard after forward) in the compute dtype, the trained
-    parameters' gradients reduce-scattered in the reduce dtype; across
-    replicas: each rank's gradient shard all-reduced. Replicas are laid out a
-    whole number of nodes apart (or several to a node when one is smaller than a node)."""
-    gathers = 2 * (shards - 1) * params * compute_bytes // shards
-    reduce_scatter = (shards - 1) * trainable * reduce_bytes // shards
-    all_reduce = 2 * (replicas - 1) * -(-trainable // shards) * reduce_bytes // replicas
-    shards_span_nodes = shards > gpus_per_node
-    replicas_span_nodes = replicas > 1 and shards * replicas > gpus_per_node
-    within = (0 if shards_span_nodes else gathers + reduce_scatter) + (0 if replicas_span_nodes else all_reduce)
-    across = (gathers + reduce_scatter if shards_span_nodes else 0) + (all_reduce if replicas_span_nodes else 0)
-    collectives = (3 * units if shards_span_nodes else 0) + (units if replicas_span_nodes else 0)
-    return Traffic(within, across, collectives)
+def fsdp_traffic(shape: ModelShape, mesh: tuple[int, int, int], gpus_per_node: int, compute_bytes: int,
+                 reduce_bytes: int, tokens: int) -> Traffic:
+    """The ranks of a mesh (replicas, shards, tensor parallel) in that order,
+    tensor parallel innermost, as Accelerate's device mesh lays them out.
+    Tensor parallel: each layer's two split blocks all-reduce their outputs in
+    forward and their inputs' gradients in backward (4 all-reduces of the
+    `tokens` x hidden activations). FSDP within each replica: every unit (its
+    tensor-parallel share) all-gathered for forward and again for backward
+    (reshard after forward) in the compute dtype, the trained parameters'
+    gradients reduce-scattered in the reduce dtype. Across replicas: each
+    rank's gradient shard all-reduced."""
+    replicas, shards, tp = mesh
+    params, trainable, units = -(-shape.params // tp), -(-(shape.trainable or shape.params) // tp), shape.layers + 1
+    tensor = 4 * shape.layers * 2 * (tp - 1) * tokens * shape.hidden * compute_bytes // tp
+    shard = 2 * (shards - 1) * params * compute_bytes // shards + (shards - 1) * trainable * reduce_bytes // shards
+    replica = 2 * (replicas - 1) * -(-trainable // shards) * reduce_bytes // replicas
+    groups = [(tensor, tp > gpus_per_node, 4 * shape.layers),  # (bytes, spans nodes, collectives)
+              (shard, shards > 1 and shards * tp > gpus_per_node, 3 * units),
+              (replica, replicas > 1 and replicas * shards * tp > gpus_per_node, units)]
+    return Traffic(within_node=sum(b for b, across, _ in groups if not across),
+                   across_nodes=sum(b for b, across, _ in groups if across),
+                   collectives_across=sum(n for b, across, n in groups if across and b))

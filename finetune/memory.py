@@ -101,6 +101,7 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
                       vocab=config.vocab_size,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
                       largest_tensor=max(p.numel() for p in unique.values()),
+                      tp_plan=bool(getattr(config, "base_model_tp_plan", None)),
                       own_shards=name_or_path not in GPT2_PRESETS
                       and OwnShards.for_model(name_or_path, config, causal_lm.auto(), trust_remote_code=False) is not None)
 
@@ -114,7 +115,8 @@ class LaunchConfig:
     ram_efficient_loading: bool = True  # fsdp_cpu_ram_efficient_loading, as in fsdp.yaml
     keeps_a_shard_when_loaded: bool = True  # each rank keeps its shard of the weights (FSDP), not all of them
     num_machines: int = 1
-    dp_replicate: int | None = None  # parallelism_config_dp_replicate_size (HSDP), where the config sets one
+    dp_replicate: int | None = None  # the parallelism_config's sizes, where the config sets them
+    tp: int | None = None
 
 
 def read_launch_config(path: str | None) -> LaunchConfig:
@@ -130,11 +132,11 @@ def read_launch_config(path: str | None) -> LaunchConfig:
         raise UsageError(f"--accelerate_config {path} holds a {type(launch).__name__}, not the mapping of settings an "
                          "accelerate config is; pass one of `finetune configs`, or one `accelerate config` wrote")
     backend = for_launch_config(launch)
-    mesh = launch.get("parallelism_config") or {}
-    replicas = mesh.get("parallelism_config_dp_replicate_size") if isinstance(mesh, dict) else None
+    mesh = launch.get("parallelism_config") if isinstance(launch.get("parallelism_config"), dict) else {}
+    replicas, tp = (mesh.get(f"parallelism_config_{d}_size") for d in ("dp_replicate", "tp"))
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
                         num_machines=int(launch.get("num_machines", 1)),
-                        dp_replicate=int(replicas) if replicas else None,
+                        dp_replicate=int(replicas) if replicas else None, tp=int(tp) if tp else None,
                         # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)
                         mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16",
                         strategy=backend.strategy(launch, Path(path)),
@@ -177,28 +179,40 @@ def host_ram(shape: ModelShape, num_processes: int, sharded: bool, ram_efficient
     return HostRam(loading, load_main, load_other, save_main, 2 * gathered)
 
 
-def hsdp_meshes(num_processes: int, num_machines: int, dp_replicate: int | None) -> tuple[tuple[int, int], ...]:
-    """(replicas, shards) of the HSDP layouts to plan: the one asked for; else,
-    on several machines, a replica per machine and per every whole number of
-    machines that divides them (2 x 32, 4 x 16 and 8 x 8 on 8 machines of 8)."""
-    if dp_replicate is not None:
-        if dp_replicate < 1 or num_processes % dp_replicate or num_processes // dp_replicate < 2:
-            raise UsageError(f"--dp_replicate_size {dp_replicate} does not split {num_processes} processes into "
-                             "replicas of 2 or more shards; pass a divisor of --num_processes up to half of it")
-        return ((dp_replicate, num_processes // dp_replicate),) if dp_replicate > 1 else ()
+def planned_meshes(shape: ModelShape, num_processes: int, num_machines: int, dp_replicate: int | None,
+                   tp: int | None) -> tuple[tuple[int, int, int], ...]:
+    """(replicas, shards, tensor parallel) of the layouts past flat FSDP to
+    plan: the one asked for; else, on several machines, HSDP with a replica
+    per whole number of machines that divides them (2 x 32, 4 x 16 and 8 x 8
+    on 8 machines of 8), and tensor parallel over each machine's GPUs with
+    FSDP across the machines, for a model transformers has a plan for."""
+    if dp_replicate is not None or tp is not None:
+        replicas, split = dp_replicate or 1, tp or 1
+        if num_processes % (replicas * split) or num_processes // (replicas * split) < 2:
+            raise UsageError(f"--dp_replicate_size {replicas} x --tp_size {split} does not leave FSDP 2 or more "
+                             f"shards of {num_processes} processes; pass sizes whose product divides "
+                             "--num_processes at most half-way")
+        if split > 1 and not shape.tp_plan:
+            raise UsageError(f"tensor parallel {split} (--tp_size, or the accelerate config's "
+                             "parallelism_config_tp_size): transformers has no tensor-parallel plan for this model; "
+                             "plan it without (HSDP: --dp_replicate_size)")
+        return ((replicas, num_processes // (replicas * split), split),) if replicas * split > 1 else ()
     if num_machines < 2:
         return ()
     if num_processes % num_machines:
         raise UsageError(f"--num_processes {num_processes} is not a whole number of processes on each of "
                          f"--num_machines {num_machines}; pass a multiple of it")
-    return tuple((replicas, num_processes // replicas) for replicas in range(2, num_machines + 1)
-                 if num_machines % replicas == 0 and num_processes // replicas > 1)
+    gpus = num_processes // num_machines
+    hsdp = [(replicas, num_processes // replicas, 1) for replicas in range(2, num_machines + 1)
+            if num_machines % replicas == 0 and num_processes // replicas > 1]
+    tensor_parallel = [(1, num_machines, gpus)] if shape.tp_plan and gpus > 1 else []
+    return tuple(hsdp + tensor_parallel)
 
 
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
              ram_efficient_loading: bool = True, pairs: bool = False,
-             reference_copy: bool = False, hsdp: tuple[tuple[int, int], ...] = ()) -> list[Estimate]:
+             reference_copy: bool = False, meshes: tuple[tuple[int, int, int], ...] = ()) -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     under adapters stays so; trainable parameters are fp32 under mixed precision
     (Accelerate upcasts them) and adapters always are (the adapter library upcasts them).
@@ -221,7 +235,11 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n),
         # DPO's frozen reference, in the weights' dtype: each backend lays it out as its parameters
         reference_whole=weight_bytes * p if reference_copy else 0,
-        reference_shard=weight_bytes * -(-p // n) if reference_copy else 0, hsdp_meshes=hsdp)
+        reference_shard=weight_bytes * -(-p // n) if reference_copy else 0, meshes=meshes,
+        split_activations={tp: tuple(activation_bytes(shape, batch, block_size, compute, checkpointing=checkpointing,
+                                                      loss_chunk_size=loss_chunk_size, tensor_parallel=tp)
+                                     for checkpointing in (False, True))
+                           for tp in {mesh[2] for mesh in meshes}})
     usable = [b for b in BACKENDS if not (reference_copy and b.frozen_model_refusal)]
     estimates = [row for backend in usable for row in backend.plan(inputs)]
     for e in estimates:
@@ -257,31 +275,32 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
 
 
 def render_traffic(shape: ModelShape, estimates: list[Estimate], num_processes: int, num_machines: int,
-                   mixed_precision: str, device_memory: int | None) -> str:
+                   mixed_precision: str, device_memory: int | None, tokens: int) -> str:
     """Each fully sharded layout's bytes per GPU and step, within and across
-    nodes, and, on several nodes, the layout to use: of those that fit (with
-    activation checkpointing if need be), the one sending the fewest bytes
-    across nodes; where several send within 10% of that, the one with the
-    fewest collectives across nodes (each waits on the slowest link)."""
+    nodes (`tokens` per tensor-parallel group and micro-batch), and, on several
+    nodes, the layout to use: of those that fit (with activation checkpointing
+    if need be), the one sending the fewest bytes across nodes; where several
+    send within 10% of that, the one with the fewest collectives across nodes
+    (each waits on the slowest link)."""
+    from finetune.backends.fsdp import mesh_name
+
     compute = 2 if mixed_precision == "bf16" else 4  # Accelerate reduces gradients in the compute dtype too
     gpus_per_node = max(num_processes // num_machines, 1)
     meshes = list(dict.fromkeys(e.mesh for e in estimates if e.mesh is not None))
     lines = [f"Traffic per optimizer step on {num_machines} node(s) of {gpus_per_node} GPU(s), bytes each GPU sends "
              "(ring collectives; a collective whose ranks span nodes runs at the speed of the links between them):",
-             "", "| layout (replicas x shards) | within a node | across nodes | collectives across nodes | "
+             "", "| layout | within a node | across nodes | collectives across nodes | "
                  "per device | with activation checkpointing | fits |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     layouts = []
     for mesh in meshes:
         plain, checkpointed = ([e for e in estimates if e.mesh == mesh and ("checkpointing" in e.strategy) == ac][0]
                                for ac in (False, True))
-        traffic = fsdp_traffic(shape.params, shape.trainable or shape.params, shape.layers + 1, *mesh, gpus_per_node,
-                               compute, compute)
-        label = f"{'HSDP' if mesh[0] > 1 else 'FSDP'} {mesh[0]} x {mesh[1]}"
+        traffic = fsdp_traffic(shape, mesh, gpus_per_node, compute, compute, tokens)
         fits = ("-" if device_memory is None else "yes" if plain.total <= device_memory
                 else "with activation checkpointing" if checkpointed.total <= device_memory else "no")
-        layouts.append((label, traffic, fits))
-        lines.append(f"| {label} | {traffic.within_node:,} | {traffic.across_nodes:,} "
+        layouts.append((mesh_name(mesh), traffic, fits))
+        lines.append(f"| {mesh_name(mesh)} | {traffic.within_node:,} | {traffic.across_nodes:,} "
                      f"| {traffic.collectives_across:,} | {plain.total / GIB:.2f} GiB | {checkpointed.total / GIB:.2f} GiB "
                      f"| {fits} |")
     if num_machines < 2:

@@ -97,6 +97,7 @@ DOCUMENTED_ELSEWHERE = {
     "fsdp.yaml": "test_readme (the README's commands, as written)",
     "fsdp_cnn.yaml": "test_cnn (the README's CNN command)",
     "multinode.yaml": "test_multinode_on_one_machine",
+    "tp.yaml": "test_parallelism's test_tp_yaml_runs_as_its_header_documents (a Llama: GPT-2 has no tensor-parallel plan)",
     "zero1.yaml": "test_deepspeed's zero_runs", "zero2.yaml": "test_deepspeed's zero_runs",
     "zero3.yaml": "test_deepspeed's zero_runs",
 }

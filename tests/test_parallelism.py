@@ -1,7 +1,10 @@
-"""HSDP (hsdp.yaml): replicas of an FSDP-sharded model, launched on 4 CPU
-processes over gloo, checked from the outside: the losses of flat FSDP on the
-same 4 ranks, each rank holding half the model, each replica's ranks holding
-all of it, the checkpoint storing it once and resuming under plain FSDP."""
+"""Past flat FSDP, on 4 CPU processes over gloo, checked from the outside.
+
+HSDP (hsdp.yaml): the losses of flat FSDP on the same 4 ranks, each rank holding
+half the model, each replica's ranks all of it, the checkpoint storing it once
+and resuming under flat FSDP. Tensor parallel under FSDP (tp.yaml): one
+process's losses with the same global batch, its checkpoint resuming under flat
+FSDP, its export the same weights."""
 
 from __future__ import annotations
 
@@ -11,13 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_ok, common_args, dcp_elements_per_file, run_cli, run_cli_together, train_rows
+from conftest import check_ok, common_args, dcp_elements_per_file, run_cli, run_cli_together, run_in_process, train_rows
 
 pytestmark = pytest.mark.slow
 
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def planned_state(model: str, mesh: tuple[int, int, int]) -> int:
+    """`finetune estimate-memory`'s parameters, gradients and AdamW state per rank for `mesh`."""
+    from finetune.memory import estimate, model_shape
+
+    rows = estimate(model_shape(model), 4, 4, 64, mixed_precision="no", meshes=(mesh,))
+    return next(e.state for e in rows if e.mesh == mesh and "checkpointing" not in e.strategy)
 
 
 def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_fsdp(tmp_path, env, small_corpus):
@@ -42,6 +53,7 @@ def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_f
     local = hybrid["local_params_per_rank"]
     assert sum(local[:2]) == sum(local[2:]) == total
     assert all(abs(n - total / 2) <= 0.02 * total for n in local), local
+    assert planned_state("tiny-gpt2", (2, 2, 1)) == max(hybrid["state_bytes_per_rank"])
     # Replicated shards are stored once, spread over the replicas' files.
     checkpoint = runs["hsdp.yaml"] / "checkpoints" / "step_000002"
     stored = dcp_elements_per_file(checkpoint / "pytorch_model_fsdp_0", skip=set())
@@ -72,3 +84,77 @@ def test_a_mesh_that_does_not_fit_the_launch_stops_in_one_line(tmp_path, env, sm
     assert "2 x dp_shard 2 x tp 1 = 4 ranks, but 2 were launched" in errors[0]
     assert "Traceback" not in "\n".join(line for line in proc.stderr.splitlines() if "[rank" in line)
     assert not run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama (4 heads, 2 KV heads): a family transformers has a tensor-parallel plan for."""
+    from sft_models import save_chat_model
+
+    return save_chat_model(tmp_path_factory.mktemp("llama") / "model")
+
+
+def llama_args(model: Path, corpus: Path) -> list[str]:
+    return ["--model", str(model), "--dataset", str(corpus), "--block_size", "64", "--sample_prompt", "",
+            "--max_eval_batches", "1", "--learning_rate", "3e-3"]
+
+
+def test_tensor_parallel_gives_one_process_losses_resumes_under_fsdp_and_exports(tmp_path, env, small_corpus,
+                                                                                   llama_dir):
+    """tp.yaml (2 shards x tensor parallel 2) on 4 processes against one process
+    with the same global batch (2 data-parallel ranks x 4 = 8)."""
+    args = [*llama_args(llama_dir, small_corpus), "--max_steps", "4", "--checkpoint_every", "2"]
+    runs = {"tp.yaml": tmp_path / "tp", "single.yaml": tmp_path / "one"}
+    for proc in run_cli_together([
+            (["train", *args, "--per_device_batch_size", "4", "--output_dir", str(runs["tp.yaml"])],
+             {"config": "tp.yaml", "nproc": 4, "mixed_precision": "no"}),
+            (["train", *args, "--per_device_batch_size", "8", "--output_dir", str(runs["single.yaml"])],
+             {"config": "single.yaml", "nproc": 1, "mixed_precision": "no"})], env):
+        check_ok(proc)
+    split, whole = summary(runs["tp.yaml"]), summary(runs["single.yaml"])
+    assert split["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    split_losses = [r["loss"] for r in train_rows(runs["tp.yaml"])]
+    assert len(split_losses) == 4
+    assert split_losses == pytest.approx([r["loss"] for r in train_rows(runs["single.yaml"])], abs=1e-4)
+    assert split["last_eval"]["eval_loss"] == pytest.approx(whole["last_eval"]["eval_loss"], abs=1e-4)
+    # Every rank holds about a quarter: the split matrices over 4, the replicated norms over 2.
+    total, local = split["total_params"], split["local_params_per_rank"]
+    assert total == whole["total_params"] and sum(local) >= total and max(local) < 0.3 * total, local
+
+    # The planner's row for this mesh, against what each rank held (its replicated norms are counted as split).
+    planned = planned_state(str(llama_dir), (1, 2, 2))
+    assert all(abs(planned / measured - 1) < 0.02 for measured in split["state_bytes_per_rank"])
+
+    # Its checkpoint of step 2 continues under flat FSDP on 2 ranks (the same global batch of 8).
+    checkpoint = runs["tp.yaml"] / "checkpoints" / "step_000002"
+    resumed = tmp_path / "resumed"
+    check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--resume_from_checkpoint", str(checkpoint),
+                      "--output_dir", str(resumed)], env, nproc=2, mixed_precision="no"))
+    assert summary(resumed)["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    assert [r["loss"] for r in train_rows(resumed)] == pytest.approx(split_losses[2:], abs=1e-4)
+
+    # Exported whole: the same weights as the one-process run's.
+    from safetensors.torch import load_file
+
+    check_ok(run_in_process("export", runs["tp.yaml"], "--output", tmp_path / "exported"))
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    reference = load_file(runs["single.yaml"] / "final" / "model.safetensors")
+    assert exported.keys() == reference.keys()
+    assert max((exported[k] - reference[k]).abs().max().item() for k in exported) < 1e-4
+
+
+def test_tp_yaml_runs_as_its_header_documents(tmp_path, env, small_corpus, llama_dir):
+    """Its own processes (4) and precision (bf16), on a Llama; GPT-2, without a
+    tensor-parallel plan, is refused on every rank in one line."""
+    run_dir = tmp_path / "run"
+    check_ok(run_cli(["train", *llama_args(llama_dir, small_corpus), "--per_device_batch_size", "4", "--max_steps",
+                      "2", "--output_dir", str(run_dir)], env, nproc=4, config="tp.yaml"))
+    facts = summary(run_dir)
+    assert facts["mixed_precision"] == "bf16" and facts["world_size"] == 4 and facts["steps"] == 2
+    assert facts["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+
+    refused = run_cli(["train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", str(tmp_path / "gpt2")],
+                      env, nproc=4, config="tp.yaml", mixed_precision="no")
+    assert refused.returncode != 0
+    errors = {line for line in refused.stderr.splitlines() if line.startswith("error:")}
+    assert len(errors) == 1 and "has no tensor-parallel plan in transformers" in errors.pop(), refused.stderr[-2000:]

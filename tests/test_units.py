@@ -822,7 +822,7 @@ MESH_ENV = {"dp_replicate_size": "1", "dp_shard_size": "1", "tp_size": "1", "cp_
 @pytest.mark.parametrize("sizes, world, dims, problem", [
     ({"dp_replicate_size": "2", "dp_shard_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "= 4 ranks, but 2 were launched"),
     ({"dp_replicate_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "leaves FSDP nothing to shard over"),
-    ({"dp_shard_size": "2", "tp_size": "2"}, 4, {"dp_replicate", "dp_shard"}, "asks for tensor parallelism"),
+    ({"tp_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "asks for tp 2, which this launch's backend (DDP)"),
     ({"dp_shard_size": "2", "cp_size": "2"}, 4, {"dp_replicate", "dp_shard"}, "asks for context parallelism"),
     ({"sp_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "asks for sequence parallelism"),
     ({"dp_replicate_size": "2", "dp_shard_size": "2"}, 4, set(), "backend (DDP) does not lay a model out on"),
@@ -839,6 +839,7 @@ def test_a_mesh_the_run_cannot_have_is_refused_in_one_line(monkeypatch, sizes, w
     message = str(refused.value)
     assert problem in message and "\n" not in message
     # ...and the mesh it can have passes.
-    for name, value in {**MESH_ENV, "dp_replicate_size": "2", "dp_shard_size": "2"}.items():
-        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", value)
-    check_requested_mesh(4, frozenset({"dp_replicate", "dp_shard"}), "FSDP2", on_gpu=False)
+    for mesh in ({"dp_replicate_size": "2", "dp_shard_size": "2"}, {"dp_shard_size": "2", "tp_size": "2"}):
+        for name, value in {**MESH_ENV, **mesh}.items():
+            monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", value)
+        check_requested_mesh(4, frozenset({"dp_replicate", "dp_shard", "tp"}), "FSDP2", on_gpu=False)

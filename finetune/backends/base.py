@@ -6,7 +6,7 @@ checkpoints, the export and the planner ask it instead of branching."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import ClassVar
@@ -66,7 +66,10 @@ class PlanInputs:
     frozen_shard: int         # and a rank's share of it
     reference_whole: int = 0  # DPO's frozen reference model, whole (0 where there is none)
     reference_shard: int = 0  # and a rank's share of it
-    hsdp_meshes: tuple[tuple[int, int], ...] = ()  # (replicas, shards) of the HSDP layouts to plan
+    # (replicas, shards, tensor parallel) of the layouts past flat FSDP to plan (HSDP, tensor parallel),
+    # and the activations (plain, checkpointed) per tensor-parallel size.
+    meshes: tuple[tuple[int, int, int], ...] = ()
+    split_activations: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded optimizer

@@ -283,9 +283,9 @@ class FSDP2(Backend):
         if fsdp.get("fsdp_reshard_after_forward") is False:
             return "FSDP SHARD_GRAD_OP"
         mesh = launch.get("parallelism_config") or {}
-        replicas = int(mesh.get("parallelism_config_dp_replicate_size", 1))
-        if replicas > 1:
-            return f"HSDP {replicas} x {int(launch.get('num_processes', 2)) // replicas}"
+        replicas, tp = (int(mesh.get(f"parallelism_config_{d}_size", 1)) for d in ("dp_replicate", "tp"))
+        if replicas > 1 or tp > 1:
+            return mesh_name((replicas, int(launch.get("num_processes", 2)) // (replicas * tp), tp))
         return "FSDP full shard"
 
     @classmethod
@@ -300,26 +300,37 @@ class FSDP2(Backend):
         HSDP: the state split over one replica's ranks only."""
         every_unit = p.shape.params * p.compute_bytes if p.num_processes > 1 else 0
 
-        def sharded_over(shards: int, strategy: str, gathered: int, activations: int, **kwargs) -> Estimate:
-            trained = -(-(p.shape.trainable or p.shape.params) // shards)  # ceil: FSDP pads the last shard
-            reference = p.weight_bytes * -(-p.shape.params // shards) if p.reference_whole else 0
-            return Estimate(strategy, frozen_bytes(p.shape, p.weight_bytes, shards) + p.trained_bytes * trained,
+        def sharded_over(ranks: int, strategy: str, gathered: int, activations: int, **kwargs) -> Estimate:
+            trained = -(-(p.shape.trainable or p.shape.params) // ranks)  # ceil: FSDP pads the last shard
+            reference = p.weight_bytes * -(-p.shape.params // ranks) if p.reference_whole else 0
+            return Estimate(strategy, frozen_bytes(p.shape, p.weight_bytes, ranks) + p.trained_bytes * trained,
                             p.trained_bytes * trained, 2 * p.trained_bytes * trained, gathered, activations,
                             reference=reference, **kwargs)
 
-        n, flat = p.num_processes, (1, p.num_processes)
+        n, flat = p.num_processes, (1, p.num_processes, 1)
         rows = [sharded_over(n, "FSDP full shard", p.gather_units, p.activations, cpu_calibrated=True, mesh=flat),
                 sharded_over(n, "FSDP SHARD_GRAD_OP", every_unit, p.activations, cpu_calibrated=True),
                 sharded_over(n, "FSDP + activation checkpointing", p.gather_units, p.checkpointed_activations,
                              cpu_calibrated=True, mesh=flat),
                 Estimate("FSDP + CPU offload (state in CPU RAM)", 0, 0, 0, p.gather_units, p.activations)]
-        for replicas, shards in p.hsdp_meshes:
-            name = f"HSDP {replicas} x {shards}"
-            rows += [sharded_over(shards, name, p.gather_units, p.activations, mesh=(replicas, shards),
+        for mesh in p.meshes:
+            replicas, shards, tp = mesh
+            # The state split over one replica's ranks (its shards and tensor-parallel splits; the few
+            # replicated vectors, norms and biases, counted as split too); each gathered unit is a tp-th.
+            name = mesh_name(mesh)
+            plain, checkpointed = p.split_activations.get(tp, (p.activations, p.checkpointed_activations))
+            rows += [sharded_over(shards * tp, name, p.gather_units // tp, plain, mesh=mesh,
                                   no_peak_rss="not calibrated"),
-                     sharded_over(shards, f"{name} + activation checkpointing", p.gather_units,
-                                  p.checkpointed_activations, mesh=(replicas, shards), no_peak_rss="not calibrated")]
+                     sharded_over(shards * tp, f"{name} + activation checkpointing", p.gather_units // tp,
+                                  checkpointed, mesh=mesh, no_peak_rss="not calibrated")]
         return rows
+
+
+def mesh_name(mesh: tuple[int, int, int]) -> str:
+    """HSDP 8 x 8, FSDP 8 x TP 8, HSDP 2 x 4 x TP 8."""
+    replicas, shards, tp = mesh
+    name = f"HSDP {replicas} x {shards}" if replicas > 1 else f"FSDP {shards}"
+    return f"{name} x TP {tp}" if tp > 1 else name
 
 
 class FSDP1(FSDP2):
