@@ -98,6 +98,13 @@ def cpu_peak_rss(shape: ModelShape, e: Estimate, sharded: bool, load: int) -> in
     return RUNTIME_BYTES + max(load, e.total + int(churn))
 
 
+def mesh_name(mesh: tuple[int, int, int]) -> str:
+    """(replicas, shards, tensor parallel) as the planner's rows name it: HSDP 8 x 8, FSDP 8 x TP 8."""
+    replicas, shards, tp = mesh
+    name = f"HSDP {replicas} x {shards}" if replicas > 1 else f"FSDP {shards}"
+    return f"{name} x TP {tp}" if tp > 1 else name
+
+
 @dataclass
 class Traffic:
     """Bytes one GPU sends per optimizer step under a fully sharded layout on

@@ -49,7 +49,7 @@ from finetune.backends import REGISTRY as BACKENDS, for_launch_config
 from finetune.backends.base import PlanInputs
 from finetune.errors import UsageError
 from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activation_bytes, cpu_peak_rss,
-                                frozen_bytes, fsdp_traffic)
+                                frozen_bytes, fsdp_traffic, mesh_name)
 from finetune.host_memory import MMAP_THRESHOLD_BYTES
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.presets import GPT2_PRESETS
@@ -282,8 +282,6 @@ def render_traffic(shape: ModelShape, estimates: list[Estimate], num_processes: 
     if need be), the one sending the fewest bytes across nodes; where several
     send within 10% of that, the one with the fewest collectives across nodes
     (each waits on the slowest link)."""
-    from finetune.backends.fsdp import mesh_name
-
     compute = 2 if mixed_precision == "bf16" else 4  # Accelerate reduces gradients in the compute dtype too
     gpus_per_node = max(num_processes // num_machines, 1)
     meshes = list(dict.fromkeys(e.mesh for e in estimates if e.mesh is not None))

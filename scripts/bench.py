@@ -15,8 +15,9 @@ The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
 4`, about 10 minutes for both suites on 2 CPU cores); `--quick` uses `tiny-gpt2`.
 
 Suite `configs`: each CPU-capable accelerate config (zero1/2/3.yaml too when
-the deepspeed extra is installed) trains the same model on the
-same blocks; reported per config: median step time (after 2 warm-up steps), its
+the deepspeed extra is installed; hsdp.yaml and tp.yaml on 4 processes, tp.yaml
+for a model transformers has a tensor-parallel plan for, such as a Llama dir)
+trains the same model on the same blocks, with the same global batch; reported per config: median step time (after 2 warm-up steps), its
 ratio to DDP, per-rank peak memory (resident set on CPU, max_memory_allocated on
 GPU) and per-rank persistent state (parameters + gradients + optimizer state,
 measured after the first optimizer step), all in bytes.
@@ -104,7 +105,10 @@ CPU_CONFIGS = {  # config -> processes
     "fsdp.yaml": 2,
     "fsdp_shard_grad_op.yaml": 2,
     "fsdp_activation_checkpointing.yaml": 2,
+    "hsdp.yaml": 4,  # 2 replicas x 2 shards
+    "tp.yaml": 4,    # 2 shards x tensor parallel 2: a model transformers has a tensor-parallel plan for
 }
+TENSOR_PARALLEL = {"tp.yaml": 2}  # ranks that read the same batch
 if importlib.util.find_spec("deepspeed") is not None:  # the deepspeed extra: ZeRO next to FSDP, as the seed compares them
     CPU_CONFIGS.update({"zero1.yaml": 2, "zero2.yaml": 2, "zero3.yaml": 2})
 
@@ -233,6 +237,7 @@ def measure(run_dir: Path) -> dict:
         "state_elements_per_rank": summary["state_elements_per_rank"],
         "local_params_per_rank": summary["local_params_per_rank"],
         "total_params": summary["total_params"],
+        "parallelism": summary["parallelism"],
     }
 
 
@@ -294,6 +299,12 @@ def profile_table(results: list[dict], label: str) -> list[str]:
     return lines
 
 
+def split_over(result: dict) -> int:
+    """The ranks one copy of the model is split over: all of them, but one replica's under HSDP."""
+    mesh = result["parallelism"]
+    return mesh["dp_shard"] * mesh["tp"] if result["distributed_type"] == "FSDP" else result["world_size"]
+
+
 def suite_configs(args) -> tuple[list[dict], str]:
     import torch
 
@@ -301,15 +312,23 @@ def suite_configs(args) -> tuple[list[dict], str]:
     # On a GPU machine, the configs it has enough GPUs for (one process per GPU).
     configs = [c for c, nproc in CPU_CONFIGS.items() if (not args.only or any(name in c for name in args.only.split(",")))
                and (not on_gpu() or nproc <= torch.cuda.device_count())]
+    if "tp.yaml" in configs:
+        from finetune.memory import model_shape
+
+        if not model_shape(args.model).tp_plan:
+            print(f"[bench] tp.yaml left out: transformers has no tensor-parallel plan for {args.model}", flush=True)
+            configs.remove("tp.yaml")
     with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline_ref, tmp) as dirs:
         def run_case(case: tuple[str, str], round_index: int) -> dict:
             label, config = case
             nproc = CPU_CONFIGS[config]
-            # The same global batch everywhere: 1 process takes both ranks' share.
+            # The same global batch everywhere: 1 process takes both ranks' share, 4 data-parallel
+            # ranks half of it each, a tensor-parallel group reads one share.
+            data_parallel = nproc // TENSOR_PARALLEL.get(config, 1)
             run_dir = Path(tmp) / f"{list(dirs).index(label)}-{config}-{round_index}"
             name = config if len(dirs) == 1 else f"{config} ({label})"
             print(f"[bench] {name} on {nproc} process(es)", flush=True)
-            result = {"config": name, **run_ours(config, nproc, args, run_dir, args.batch * 2 // nproc,
+            result = {"config": name, **run_ours(config, nproc, args, run_dir, args.batch * 2 // data_parallel,
                                                  args.mixed_precision, profile=args.profile and round_index == 0,
                                                  checkout=dirs[label])}
             result["mfu"] = mfu(result, args, units=nproc, peaks=peaks)
@@ -326,7 +345,8 @@ def suite_configs(args) -> tuple[list[dict], str]:
     lines = [f"model {args.model}, {args.steps} steps, global batch {args.batch * 2} x {args.block_size} tokens, "
              f"mixed_precision {args.mixed_precision}, fastest of {args.rounds} round(s)", "",
              f"ratios against {ddp['config'].split(' (')[0]}{' of the same checkout' if len(dirs) > 1 else ''}; MFU against the measured matmul peak of the cores each case uses; "
-             "state vs ideal = largest per-rank state over 16P/N", "",
+             "state vs ideal = largest per-rank state over 16P over the ranks one copy is split over "
+             "(N; shards x tensor parallel under HSDP and TP)", "",
              "| config | type | ranks | step time (s) | vs DDP | tokens/s | MFU | peak memory per rank (bytes) | "
              "state per rank (bytes) | state vs DDP | state vs ideal | rank 0 params / grads / optimizer (elements) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -337,7 +357,7 @@ def suite_configs(args) -> tuple[list[dict], str]:
                      f"{', '.join(map(str, r['peak_memory_bytes_per_rank']))} | "
                      f"{', '.join(map(str, r['state_bytes_per_rank']))} | "
                      f"{max(r['state_bytes_per_rank']) / max(ddp['state_bytes_per_rank']):.2f} | "
-                     f"{max(r['state_bytes_per_rank']) / (ideal_state / r['world_size']):.2f} | "
+                     f"{max(r['state_bytes_per_rank']) / (ideal_state / split_over(r)):.2f} | "
                      f"{' / '.join(f'{v[0]:,}' for v in r['state_elements_per_rank'].values())} |")
     lines += ["", peaks_line(peaks)]
     lines += profile_table(results, "config")
@@ -351,8 +371,8 @@ def suite_configs(args) -> tuple[list[dict], str]:
                                        by_config[f"ddp.yaml{suffix}"]["step_time_s"], 1.15, False))
     for r in results:
         if r["distributed_type"] == "FSDP":
-            targets.append(target_line(f"{r['config']} state per rank / (16P/N)",
-                                       max(r["state_bytes_per_rank"]) / (ideal_state / r["world_size"]), 1.1, False))
+            targets.append(target_line(f"{r['config']} state per rank / (16P/{split_over(r)})",
+                                       max(r["state_bytes_per_rank"]) / (ideal_state / split_over(r)), 1.1, False))
     if targets:
         lines += ["", "targets:", *targets]
     return results, "\n".join(lines)

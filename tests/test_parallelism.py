@@ -1,8 +1,8 @@
 """Past flat FSDP, on 4 CPU processes over gloo, checked from the outside.
 
 HSDP (hsdp.yaml): the losses of flat FSDP on the same 4 ranks, each rank holding
-half the model, each replica's ranks all of it, the checkpoint storing it once
-and resuming under flat FSDP. Tensor parallel under FSDP (tp.yaml): one
+half the model, each replica's ranks all of it, the checkpoint storing it once,
+checkpoints resuming across the two layouts. Tensor parallel under FSDP (tp.yaml): one
 process's losses with the same global batch, its checkpoint resuming under flat
 FSDP, its export the same weights."""
 
@@ -70,6 +70,13 @@ def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_f
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [3, 4]
     assert [r["loss"] for r in rows] == pytest.approx(hybrid_losses[2:], abs=1e-5)
+
+    # ... and the reverse: flat FSDP's checkpoint of step 2 continues as HSDP.
+    rehybrid = tmp_path / "rehybrid"
+    check_ok(run_cli(["train", *args, "--resume_from_checkpoint", str(runs["fsdp.yaml"] / "checkpoints" / "step_000002"),
+                      "--output_dir", str(rehybrid)], env, nproc=4, config="hsdp.yaml", mixed_precision="no"))
+    assert summary(rehybrid)["parallelism"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    assert [r["loss"] for r in train_rows(rehybrid)] == pytest.approx(flat_losses[2:], abs=1e-5)
 
 
 def test_a_mesh_that_does_not_fit_the_launch_stops_in_one_line(tmp_path, env, small_corpus):

@@ -38,6 +38,8 @@ def test_readme_memory_planner_example(readme_workdir):
     DDP (it does not fit in 48 GB), about 12 GB under 4-way FSDP (it fits)."""
     log = (readme_workdir / "commands.log").read_text()
     section = log[log.index("$ finetune estimate-memory --model gpt2-3b"):]
+    end = section.find("\n$ ", 1)  # the next command's output
+    section = section if end < 0 else section[:end]
     rows = {cells[0]: cells for line in section.splitlines() if line.startswith("| ")
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
 

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from finetune.backends.base import Backend, PlanInputs, ShardReport, check_partition, shard_report
-from finetune.backends.mesh import asked_mesh, mesh_of
+from finetune.backends.mesh import asked_mesh, mesh_of, tensor_parallel_size
 from finetune.collectives import use_gloo_collectives
 from finetune.errors import NotDistributed, UsageError
-from finetune.estimates import Estimate, frozen_bytes
+from finetune.estimates import Estimate, frozen_bytes, mesh_name
 from finetune.hardware import has_accelerator_device
 from finetune.model_dir import Weights
 from finetune.verify import check_dcp_dir
@@ -123,10 +123,6 @@ class FSDP2(Backend):
                              f"forward) an FSDP unit, and FSDP2 cannot; launch {type(model).__name__} with "
                              "`--config_file $(finetune configs --path fsdp)` (a unit per transformer block)")
 
-    def tensor_parallel(self, accelerator: Accelerator) -> int:
-        config = accelerator.parallelism_config
-        return config.tp_size if config is not None else 1
-
     def split_layers(self, accelerator: Accelerator, model: torch.nn.Module) -> None:
         """Tensor parallel: transformers' own plan for the model (its config's
         `base_model_tp_plan`: which matrices split by rows, which by columns, and
@@ -134,7 +130,7 @@ class FSDP2(Backend):
         Accelerate's mesh, so that `prepare` can shard the result over the
         other ranks of the same mesh (a mesh of transformers' own would not
         combine with it)."""
-        size = self.tensor_parallel(accelerator)
+        size = tensor_parallel_size(accelerator)
         if size == 1:
             return
         from transformers.distributed import DistributedConfig
@@ -160,7 +156,7 @@ class FSDP2(Backend):
         ranks. Accelerate 1.15's own tensor-parallel step for FSDP2 (`_prepare_tp`)
         would redo the latter with a class transformers 5 no longer has
         (ImportError: ReplicateParallel), so the model's `prepare` skips it."""
-        if self.tensor_parallel(accelerator) == 1:
+        if tensor_parallel_size(accelerator) == 1:
             return
         prepare_tp = accelerator._prepare_tp
         accelerator._prepare_tp = lambda *args: (
@@ -186,7 +182,7 @@ class FSDP2(Backend):
         optimizer, and what it prepares it also checkpoints."""
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        if self.tensor_parallel(accelerator) > 1:
+        if tensor_parallel_size(accelerator) > 1:
             raise UsageError("a frozen reference model (--method dpo without --peft) is not split over "
                              "tensor-parallel ranks; set parallelism_config_tp_size to 1 (`--config_file "
                              "$(finetune configs --path fsdp)` or `hsdp`)")
@@ -233,7 +229,7 @@ class FSDP2(Backend):
         rank its shards from the main process's copy (Accelerate's
         fsdp2_load_full_state_dict). A run holds one full copy, not one per rank."""
         return (accelerator.num_processes > 1 and bool(accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
-                and self.tensor_parallel(accelerator) == 1)  # tensor parallel: every rank loads, then splits
+                and tensor_parallel_size(accelerator) == 1)  # tensor parallel: every rank loads, then splits
 
     def leave_loading_to_the_ranks(self, accelerator: Accelerator) -> None:
         accelerator.state.fsdp_plugin.cpu_ram_efficient_loading = False
@@ -324,13 +320,6 @@ class FSDP2(Backend):
                      sharded_over(shards * tp, f"{name} + activation checkpointing", p.gather_units // tp,
                                   checkpointed, mesh=mesh, no_peak_rss="not calibrated")]
         return rows
-
-
-def mesh_name(mesh: tuple[int, int, int]) -> str:
-    """HSDP 8 x 8, FSDP 8 x TP 8, HSDP 2 x 4 x TP 8."""
-    replicas, shards, tp = mesh
-    name = f"HSDP {replicas} x {shards}" if replicas > 1 else f"FSDP {shards}"
-    return f"{name} x TP {tp}" if tp > 1 else name
 
 
 class FSDP1(FSDP2):

@@ -5,9 +5,8 @@ parameters of a prepared model show it.
 
     dp_replicate  whole copies of the (sharded) model; gradients are averaged across them
     dp_shard      ranks each copy's parameters, gradients and optimizer state are split over (FSDP)
-    tp            ranks each layer's matrices are split over (tensor parallel); they read the same
-                  batch. Refused for now (check_requested_mesh says why); the loop already
-                  counts batches by the data-parallel size.
+    tp            ranks each layer's matrices are split over (tensor parallel, under FSDP2);
+                  they read the same batch, so the loop counts batches by the data-parallel size
 
 HSDP is dp_replicate > 1 with dp_shard > 1: on N nodes of G GPUs, replicate N and
 shard G keeps every per-layer collective inside a node.
@@ -99,11 +98,16 @@ def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on
                          "`--config_file $(finetune configs --path ddp)`")
 
 
+def tensor_parallel_size(accelerator) -> int:
+    """Ranks each layer's matrices are split over (1: none)."""
+    config = accelerator.parallelism_config
+    return config.tp_size if config is not None else 1
+
+
 def data_parallel_size(accelerator) -> int:
     """Ranks that read different batches: the world size, divided by the
     tensor-parallel ranks that share one."""
-    config = accelerator.parallelism_config
-    return accelerator.num_processes // (config.tp_size if config is not None else 1)
+    return accelerator.num_processes // tensor_parallel_size(accelerator)
 
 
 def asked_mesh(accelerator, fsdp: bool) -> Mesh:
