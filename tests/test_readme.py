@@ -62,5 +62,5 @@ def test_readme_multinode_plan_is_what_the_planner_prints(readme_workdir):
     for line in printed:
         assert line in outputs, line
     # What the prose draws from them.
-    assert "Recommended: FSDP 1 x 64 with activation checkpointing" in plan
+    assert "Recommended: FSDP 8 x TP 8:" in plan
     assert "Recommended: HSDP 8 x 8 with activation checkpointing" in plan
