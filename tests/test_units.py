@@ -822,6 +822,7 @@ MESH_ENV = {"dp_replicate_size": "1", "dp_shard_size": "1", "tp_size": "1", "cp_
 @pytest.mark.parametrize("sizes, world, dims, problem", [
     ({"dp_replicate_size": "2", "dp_shard_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "= 4 ranks, but 2 were launched"),
     ({"dp_replicate_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "leaves FSDP nothing to shard over"),
+    ({"tp_size": "2"}, 2, {"dp_replicate", "dp_shard", "tp"}, "tensor parallelism runs under FSDP here"),
     ({"tp_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "asks for tp 2, which this launch's backend (DDP)"),
     ({"dp_shard_size": "2", "cp_size": "2"}, 4, {"dp_replicate", "dp_shard"}, "asks for context parallelism"),
     ({"sp_size": "2"}, 2, {"dp_replicate", "dp_shard"}, "asks for sequence parallelism"),

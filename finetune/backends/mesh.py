@@ -93,6 +93,11 @@ def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on
                          f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
                          f"were launched; make the sizes multiply to --num_processes (or launch {product})")
     if "dp_shard" in takes and sizes["dp_shard_size"] == 1 and world_size > 1:
+        if sizes["tp_size"] > 1:
+            raise UsageError(f"tensor parallel {sizes['tp_size']} on {world_size} processes leaves FSDP nothing to "
+                             "shard over (parallelism_config_dp_shard_size: 1), and tensor parallelism runs under "
+                             "FSDP here; launch 2 or more shards of tp_size ranks, e.g. tp.yaml's 2 x 2 on 4 "
+                             "processes")
         raise UsageError("the parallelism_config leaves FSDP nothing to shard over (parallelism_config_dp_shard_size: "
                          "1); set dp_shard_size to the ranks each copy is split over, or launch whole replicas with "
                          "`--config_file $(finetune configs --path ddp)`")
