@@ -3,8 +3,8 @@
 HSDP (hsdp.yaml): the losses of flat FSDP on the same 4 ranks, each rank holding
 half the model, each replica's ranks all of it, the checkpoint storing it once,
 checkpoints resuming across the two layouts. Tensor parallel under FSDP (tp.yaml): one
-process's losses with the same global batch, its checkpoint resuming under flat
-FSDP, its export the same weights."""
+process's losses with the same global batch, checkpoints resuming across it and
+flat FSDP, its export the same weights."""
 
 from __future__ import annotations
 
@@ -135,10 +135,17 @@ def test_tensor_parallel_gives_one_process_losses_resumes_under_fsdp_and_exports
     # Its checkpoint of step 2 continues under flat FSDP on 2 ranks (the same global batch of 8).
     checkpoint = runs["tp.yaml"] / "checkpoints" / "step_000002"
     resumed = tmp_path / "resumed"
-    check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--resume_from_checkpoint", str(checkpoint),
-                      "--output_dir", str(resumed)], env, nproc=2, mixed_precision="no"))
+    check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--checkpoint_every", "1",
+                      "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(resumed)],
+                     env, nproc=2, mixed_precision="no"))
     assert summary(resumed)["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
     assert [r["loss"] for r in train_rows(resumed)] == pytest.approx(split_losses[2:], abs=1e-4)
+    # ... and the reverse: flat FSDP's checkpoint of step 3 continues split again.
+    resplit = tmp_path / "resplit"
+    check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--resume_from_checkpoint",
+                      str(resumed / "checkpoints" / "step_000003"), "--output_dir", str(resplit)],
+                     env, nproc=4, config="tp.yaml", mixed_precision="no"))
+    assert [r["loss"] for r in train_rows(resplit)] == pytest.approx(split_losses[3:], abs=1e-4)
 
     # Exported whole: the same weights as the one-process run's.
     from safetensors.torch import load_file
