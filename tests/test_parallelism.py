@@ -2,7 +2,7 @@
 
 HSDP (hsdp.yaml): the losses of flat FSDP on the same 4 ranks, each rank holding
 half the model, each replica's ranks all of it, the checkpoint storing it once,
-checkpoints resuming across the two layouts. Tensor parallel under FSDP (tp.yaml): one
+checkpoints resuming across the two layouts, the export flat FSDP's weights. Tensor parallel under FSDP (tp.yaml): one
 process's losses with the same global batch, checkpoints resuming across it and
 flat FSDP, its export the same weights."""
 
@@ -70,6 +70,15 @@ def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_f
     rows = train_rows(resumed)
     assert [r["step"] for r in rows] == [3, 4]
     assert [r["loss"] for r in rows] == pytest.approx(hybrid_losses[2:], abs=1e-5)
+
+    # Exported whole: the weights flat FSDP ended with.
+    from safetensors.torch import load_file
+
+    check_ok(run_in_process("export", runs["hsdp.yaml"], "--output", tmp_path / "exported"))
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    flat_final = load_file(runs["fsdp.yaml"] / "final" / "model.safetensors")
+    assert exported.keys() == flat_final.keys()
+    assert max((exported[k] - flat_final[k]).abs().max().item() for k in exported) < 1e-5
 
     # ... and the reverse: flat FSDP's checkpoint of step 2 continues as HSDP.
     rehybrid = tmp_path / "rehybrid"
