@@ -31,15 +31,6 @@ class Mesh:
     dp_shard: int = 1
     tp: int = 1
 
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that read different batches."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def size(self) -> int:
-        return self.data_parallel * self.tp
-
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
