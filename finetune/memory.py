@@ -47,6 +47,7 @@ from transformers import AutoConfig, GPT2Config
 
 from finetune.backends import REGISTRY as BACKENDS, for_launch_config
 from finetune.backends.base import PlanInputs
+from finetune.backends.mesh import config_sizes
 from finetune.errors import UsageError
 from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activation_bytes, cpu_peak_rss,
                                 frozen_bytes, fsdp_traffic, mesh_name)
@@ -132,11 +133,10 @@ def read_launch_config(path: str | None) -> LaunchConfig:
         raise UsageError(f"--accelerate_config {path} holds a {type(launch).__name__}, not the mapping of settings an "
                          "accelerate config is; pass one of `finetune configs`, or one `accelerate config` wrote")
     backend = for_launch_config(launch)
-    mesh = launch.get("parallelism_config") if isinstance(launch.get("parallelism_config"), dict) else {}
-    replicas, tp = (mesh.get(f"parallelism_config_{d}_size") for d in ("dp_replicate", "tp"))
+    mesh = config_sizes(launch)
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),
                         num_machines=int(launch.get("num_machines", 1)),
-                        dp_replicate=int(replicas) if replicas else None, tp=int(tp) if tp else None,
+                        dp_replicate=mesh.get("dp_replicate_size"), tp=mesh.get("tp_size"),
                         # a config without the key runs in fp32, as Accelerate's default (the zero*.yaml)
                         mixed_precision="no" if launch.get("mixed_precision", "no") == "no" else "bf16",
                         strategy=backend.strategy(launch, Path(path)),

@@ -36,7 +36,7 @@ from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import Backend, ShardReport
-from finetune.backends.mesh import data_parallel_size
+from finetune.backends.mesh import data_parallel_size, tensor_parallel_size
 from finetune.collectives import WriteFailed, broadcast_from_main, on_every_rank
 from finetune.data.fingerprint import check_same_inputs, input_fingerprints
 from finetune.data.stream import EpochBatches
@@ -339,8 +339,8 @@ def train_step(run: Run) -> StepResult:
         raise RuntimeError(f"epoch {run.progress.epoch} has no micro-batch left yet did not end")
     epoch_end = run.train_batches.epoch_ended
     # Sums over all ranks count each batch once per rank that reads it (the tensor-parallel ranks share one).
-    data_parallel = data_parallel_size(acc)
-    readers = acc.num_processes // data_parallel
+    readers = tensor_parallel_size(acc)
+    data_parallel = acc.num_processes // readers
     count, stop_votes = acc.reduce(torch.tensor(
         [sum(run.task.targets(batch) for batch in micro_batches) / readers, run.stop.flag], dtype=torch.float64,
         device=acc.device), reduction="sum").tolist()

@@ -844,3 +844,13 @@ def test_a_mesh_the_run_cannot_have_is_refused_in_one_line(monkeypatch, sizes, w
         for name, value in {**MESH_ENV, **mesh}.items():
             monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}", value)
         check_requested_mesh(4, frozenset({"dp_replicate", "dp_shard", "tp"}), "FSDP2", on_gpu=False)
+
+
+def test_a_config_s_mesh_size_that_is_not_a_number_is_one_line(tmp_path):
+    from conftest import run_in_process
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("distributed_type: FSDP\nparallelism_config:\n  parallelism_config_dp_replicate_size: two\n")
+    proc = run_in_process("estimate-memory", "--model", "tiny-gpt2", "--accelerate_config", config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "parallelism_config_dp_replicate_size: 'two' is not a positive number of ranks" in proc.stderr

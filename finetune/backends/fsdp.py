@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from finetune.backends.base import Backend, PlanInputs, ShardReport, check_partition, shard_report
-from finetune.backends.mesh import asked_mesh, mesh_of, tensor_parallel_size
+from finetune.backends.mesh import asked_fsdp_mesh, config_sizes, mesh_of, tensor_parallel_size
 from finetune.collectives import use_gloo_collectives
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, frozen_bytes, mesh_name
@@ -194,7 +194,7 @@ class FSDP2(Backend):
         """Fail loudly when FSDP was asked for and the parameters are not laid
         out on the mesh the launch asked for: every parameter a DTensor, on a
         mesh of the asked sizes, each replica's ranks holding the whole model between them."""
-        asked = asked_mesh(accelerator, fsdp=True)
+        asked = asked_fsdp_mesh(accelerator)
         if accelerator.num_processes == 1:
             return shard_report(model, accelerator, asked)
         unsharded = [name for name, p in model.named_parameters() if not hasattr(p, "to_local")]
@@ -278,8 +278,8 @@ class FSDP2(Backend):
             return "FSDP + activation checkpointing"
         if fsdp.get("fsdp_reshard_after_forward") is False:
             return "FSDP SHARD_GRAD_OP"
-        mesh = launch.get("parallelism_config") or {}
-        replicas, tp = (int(mesh.get(f"parallelism_config_{d}_size", 1)) for d in ("dp_replicate", "tp"))
+        sizes = config_sizes(launch)
+        replicas, tp = sizes.get("dp_replicate_size", 1), sizes.get("tp_size", 1)
         if replicas > 1 or tp > 1:
             return mesh_name((replicas, int(launch.get("num_processes", 2)) // (replicas * tp), tp))
         return "FSDP full shard"

@@ -106,14 +106,28 @@ def data_parallel_size(accelerator) -> int:
     return accelerator.num_processes // tensor_parallel_size(accelerator)
 
 
-def asked_mesh(accelerator, fsdp: bool) -> Mesh:
-    """What the launch asked for; without a parallelism_config, FSDP shards over
-    every rank and anything else keeps whole replicas."""
+def asked_fsdp_mesh(accelerator) -> Mesh:
+    """What an FSDP launch asked for; without a parallelism_config, shards over every rank."""
     n = accelerator.num_processes
     sizes = requested_mesh()
     if sizes is None:
-        return Mesh(dp_shard=n) if fsdp and n > 1 else Mesh(dp_replicate=n)
+        return Mesh(dp_shard=n) if n > 1 else Mesh()
     return Mesh(sizes["dp_replicate_size"], sizes["dp_shard_size"], sizes["tp_size"])
+
+
+def config_sizes(launch: dict) -> dict[str, int]:
+    """The sizes an accelerate config file's parallelism_config sets, by
+    accelerate's names without the prefix (dp_replicate_size, tp_size, ...)."""
+    section = launch.get("parallelism_config")
+    sizes = {}
+    for key, value in (section.items() if isinstance(section, dict) else ()):
+        name = str(key).removeprefix("parallelism_config_")
+        if name.endswith("_size"):
+            if not str(value).isdigit() or int(value) < 1:
+                raise UsageError(f"parallelism_config: {key}: {value!r} is not a positive number of ranks; "
+                                 "fix it in the accelerate config")
+            sizes[name] = int(value)
+    return sizes
 
 
 def mesh_of(model: torch.nn.Module) -> Mesh | None:
@@ -121,14 +135,13 @@ def mesh_of(model: torch.nn.Module) -> Mesh | None:
     device meshes; None when no parameter is a DTensor."""
     from torch.distributed.tensor import DTensor
 
+    meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+    if not meshes:
+        return None
     replicate = shard = tp = 1
-    for p in model.parameters():
-        if not isinstance(p, DTensor):
-            continue
-        names = p.device_mesh.mesh_dim_names or ("dp_shard",) * p.device_mesh.ndim
-        sizes = dict(zip(names, p.device_mesh.shape))
+    for mesh in meshes:
+        sizes = dict(zip(mesh.mesh_dim_names or ("dp_shard",) * mesh.ndim, mesh.shape))
         replicate = max(replicate, math.prod(s for n, s in sizes.items() if n == "dp_replicate"))
         tp = max(tp, math.prod(s for n, s in sizes.items() if n == "tp"))
         shard = max(shard, math.prod(s for n, s in sizes.items() if n not in ("dp_replicate", "tp")))
-    found = any(isinstance(p, DTensor) for p in model.parameters())
-    return Mesh(replicate, shard, tp) if found else None
+    return Mesh(replicate, shard, tp)
