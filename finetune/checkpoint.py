@@ -38,8 +38,8 @@ from finetune.backends import for_checkpoint
 from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
-from finetune.data.fingerprint import check_same_inputs, input_fingerprints
-from finetune.data.stream import EpochBatches
+from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
+from finetune.data.stream import DataState, EpochBatches
 from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
@@ -199,10 +199,12 @@ def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
         saved = saved_config(checkpoint)
         resume_changes(saved, cfg)
         check_same_inputs(saved.get("inputs"), input_fingerprints(cfg), cfg, checkpoint)
-        dataset = Path(cfg.dataset)
-        if cfg.dataset and not dataset.exists() and (dataset.suffix or cfg.dataset.startswith((".", "/"))):
-            raise UsageError(f"--dataset {cfg.dataset} does not exist from {Path.cwd()}; {checkpoint} was trained on "
-                             "it: resume from the dir the run was started in, or put the data back")
+        for source in cfg.sources:
+            dataset = Path(source)
+            if (not dataset.exists() and not glob_matches(source)
+                    and (dataset.suffix or source.startswith((".", "/")))):
+                raise UsageError(f"--dataset {source} does not exist from {Path.cwd()}; {checkpoint} was trained on "
+                                 "it: resume from the dir the run was started in, or put the data back")
         if num_processes is not None:
             for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
         task = build_task(cfg)
@@ -266,13 +268,13 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, at_end: bool = True, config_yaml: str,
-                 tokenizer: PreTrainedTokenizerBase | None, method: ModelFilesPolicy, data: EpochBatches,
+                 tokenizer: PreTrainedTokenizerBase | None, method: ModelFilesPolicy, data: list[DataState],
                  backend: Backend | None = None, allow_unverified: bool = False):
         self.accelerator = accelerator
         self.allow_unverified = allow_unverified  # --allow_unverified_checkpoint: a resume may read one without a manifest
         self.backend = backend or Backend()  # the layout this run writes and reads
         self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
-        self.data = data      # the training batches: their position is saved with every checkpoint
+        self.data = data      # the training batches' position and what they consumed: saved with every checkpoint
         self.unwrapped = unwrapped = accelerator.unwrap_model(model)
         self.stored = StoredState(unwrapped, leave_out=self.backend.checkpoints_leave_out_stored_state)
         self.root = Path(run_dir) / "checkpoints"
@@ -332,10 +334,11 @@ class CheckpointManager:
         target = self.root / checkpoint_name(progress.step)
         tmp = self.root / f".tmp-{target.name}"
         try:
+            data_state = {key: value for part in self.data for key, value in part.state_dict().items()}  # a collective
             on_every_rank(acc, lambda: self._make_dir(tmp))
             with self.stored.applied():
                 on_every_rank(acc, lambda: acc.save_state(str(tmp)))
-            on_every_rank(acc, lambda: self._complete(tmp, target, progress))
+            on_every_rank(acc, lambda: self._complete(tmp, target, progress, data_state))
         except WriteFailed as e:
             # torch.save's own words for a full disk are cryptic: look at the disk before freeing the temporary dir.
             free = shutil.disk_usage(self.root).free
@@ -357,13 +360,13 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that died
             tmp.mkdir(parents=True)
 
-    def _complete(self, tmp: Path, target: Path, progress: TrainingProgress) -> None:
+    def _complete(self, tmp: Path, target: Path, progress: TrainingProgress, data_state: dict) -> None:
         """After every rank's shards are on disk: the main process adds the
         progress, the configs and, last, the manifest, then renames."""
         if not self.accelerator.is_main_process:
             return
         progress.world_size = self.accelerator.num_processes
-        (tmp / PROGRESS_FILE).write_text(json.dumps({**asdict(progress), **self.data.state_dict()}, indent=2))
+        (tmp / PROGRESS_FILE).write_text(json.dumps({**asdict(progress), **data_state}, indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
@@ -406,5 +409,7 @@ class CheckpointManager:
             set_seed(seed + 1_000_003 * progress.step + acc.process_index)
             rank_warning(acc, f"no RNG state for this rank in {checkpoint_dir}; seeded from (seed, step, rank)")
         progress.world_size = acc.num_processes
-        self.data.load_state_dict(json.loads((checkpoint_dir / PROGRESS_FILE).read_text()))  # where the data was
+        saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
+        for part in self.data:  # where the data was, and what it had consumed
+            part.load_state_dict(saved)
         return progress

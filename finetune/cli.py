@@ -22,7 +22,7 @@ from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
                              PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
-                             TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
+                             SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -30,7 +30,7 @@ from finetune.tasks import REGISTRY
 # `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
 OPTION_GROUPS = {
     "model": ("task", "model", "model_dtype", "trust_remote_code"),
-    "data": ("dataset", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
+    "data": ("dataset", "dataset_weights", "mixture_stop", "streaming", "dataloader_num_workers", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
              "text_sample_by",
              "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
              "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),
@@ -77,12 +77,18 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
             if f.name == "packing":
                 group.add_argument("--no_packing", dest="packing", action="store_const", const=False,
                                    default=argparse.SUPPRESS, help="same as --packing false")
+        elif f.metadata.get("nargs"):
+            group.add_argument(*names, nargs=f.metadata["nargs"], metavar=SEVERAL_VALUES[f.name].__name__.upper(),
+                               **kwargs)
         else:
             group.add_argument(*names, metavar=types[f.name].__name__.upper(), **kwargs)
 
 
 # The train options `finetune evaluate` takes to rebuild the held-out data as the run built it.
-EVALUATE_DATA_OPTIONS = tuple(name for name in DATA_OPTIONS if name not in ("dataset_split", "eval_split"))
+# A mixture's weights and a stream are how a run read its training data: evaluation scores one source.
+EVALUATE_DATA_OPTIONS = tuple(name for name in DATA_OPTIONS if name not in ("dataset_split", "eval_split",
+                                                                           "dataset_weights", "mixture_stop",
+                                                                           "streaming"))
 
 
 def _checked(convert, accepts, expected: str, rule: str):
@@ -250,7 +256,7 @@ def _add_evaluate(sub) -> None:
     defaults = TrainConfig()
     for name in EVALUATE_DATA_OPTIONS:
         checked = {"block_size": positive_int, "validation_split": fraction, "max_eval_samples": non_negative_int}
-        kind = field_types()[name]
+        kind = str if name == "dataset" else field_types()[name]
         kind = (lambda text: coerce(name, text)) if kind is bool else checked.get(name, kind)
         evaluate.add_argument(f"--{name}", type=kind, default=None,
                               choices=[f for f in config_fields() if f.name == name][0].metadata.get("choices"),

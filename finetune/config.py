@@ -45,6 +45,8 @@ PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}
 METHOD_OPTIONS = {"dpo_beta": ("dpo", "simpo"), "max_prompt_length": ("dpo", "simpo"), "dpo_loss": ("dpo",),
                   "reference_model": ("dpo",), "precompute_reference": ("dpo",), "simpo_gamma": ("simpo",)}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
+MIXTURE_STOPS = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets' names
+SEVERAL_VALUES = {"dataset": str, "dataset_weights": float}  # options that take a list, and its element type
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
 
@@ -66,6 +68,7 @@ RESUME_MAY_CHANGE = {
                      "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size"),
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
+    "dataloader_num_workers": "applies from the next step (the batches do not depend on it)",
 }
 # Permissions no file can grant: what each allows, and when to give it.
 COMMAND_LINE_ONLY = {
@@ -77,7 +80,7 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 # The options that shape a run's data: recorded with its model (model_dir.py)
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
-                "text_sample_by", "chat_template", "train_on_prompt", "packing", "long_examples", "block_size",
+                "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt", "packing", "long_examples", "block_size",
                 "max_prompt_length",
                 "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
 
@@ -107,6 +110,8 @@ def byte_count(text: str) -> int:
 
 
 def _opt(default, help: str, **kw):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -116,8 +121,18 @@ class TrainConfig:
     task: str = _opt("causal-lm", "what to train", choices=TASKS)
     model: str = _opt("tiny-gpt2", "HF model id, local HF model dir, or a preset (tiny-gpt2, small-gpt2, gpt2-small; "
                       "lecture-cnn for images)")
-    dataset: str = _opt("builtin", "HF dataset id, local .txt/.jsonl/.parquet file or dir, an image folder, or 'builtin' "
-                        "(stdlib docstrings for text, handwritten digits for images)")
+    dataset: str | list[str] = _opt("builtin", "HF dataset id, local .txt/.jsonl/.json/.parquet file (also .gz or "
+                                    ".zst), dir or glob of them, an image folder, or 'builtin' (stdlib docstrings for "
+                                    "text, handwritten digits for images); several (causal-lm): a mixture of them",
+                                    nargs="+")
+    dataset_weights: list[float] = _opt([], "a mixture's sampling weight per --dataset (empty: equal); they need "
+                                        "not sum to 1", nargs="+")
+    mixture_stop: str = _opt("first_exhausted", "a mixture's pass ends when its first source runs out, or when every "
+                             "source has run out once (the others start over until then)", choices=MIXTURE_STOPS)
+    streaming: bool = _opt(False, "read the data as a stream (causal-lm): nothing is read or tokenized ahead, each "
+                           "rank reads its part of the files; needs --max_steps")
+    dataloader_num_workers: int = _opt(0, "processes that prepare the training batches beside each rank (with "
+                                       "--streaming: that tokenize the stream; 0 = the training process)")
     dataset_config: str = _opt("", "the dataset's configuration (subset) name, for datasets that have several")
     dataset_split: str = _opt("", "the split to train on; empty: train, or the only split")
     eval_split: str = _opt("", "the split to evaluate on; empty: validation or test when present, else "
@@ -245,13 +260,26 @@ class TrainConfig:
         if not cfg.output_dir:
             cfg.output_dir = str(Path("outputs") / f"{cfg.task}-{time.strftime('%Y%m%d-%H%M%S')}")
         for name in INPUT_OPTIONS:  # a resume from another working dir reads the same files
-            setattr(cfg, name, absolute(getattr(cfg, name)))
+            value = getattr(cfg, name)
+            setattr(cfg, name, [absolute(v) for v in value] if isinstance(value, list) else absolute(value))
         return cfg
+
+    @property
+    def sources(self) -> list[str]:
+        """The --dataset values: one, or a mixture's sources."""
+        return self.dataset if isinstance(self.dataset, list) else [self.dataset]
+
+    @property
+    def source_weights(self) -> list[float]:
+        """Each source's share of the examples drawn (summing to 1)."""
+        weights = self.dataset_weights or [1.0] * len(self.sources)
+        return [w / sum(weights) for w in weights]
 
     def validate(self) -> None:
         positive = ["lora_r", "block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
+                        "dataloader_num_workers",
                         "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
                         "loss_chunk_size", "max_prompt_length"]
         for name in positive:
@@ -271,6 +299,7 @@ class TrainConfig:
             raise UsageError("both --max_steps and --num_epochs are 0; set one of them to how long to train")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
+        self._validate_data_sources()
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
         if self.model_dtype != "float32" and self.task != "causal-lm":
@@ -315,10 +344,31 @@ class TrainConfig:
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
                               ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", TRAINING_METHODS),
-                              ("dpo_loss", DPO_LOSSES),
+                              ("dpo_loss", DPO_LOSSES), ("mixture_stop", MIXTURE_STOPS),
                               ("model_dtype", MODEL_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
+
+    def _validate_data_sources(self) -> None:
+        sources, weights = self.sources, self.dataset_weights
+        if weights and len(weights) != len(sources):
+            raise UsageError(f"--dataset_weights has {len(weights)} weight(s) for {len(sources)} --dataset source(s); "
+                             "give one weight per source, in the same order")
+        if weights and not (all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0):
+            raise UsageError(f"--dataset_weights {' '.join(f'{w:g}' for w in weights)} must be numbers >= 0 with a "
+                             "positive sum; pass e.g. 0.8 0.2")
+        if len(sources) > 1 and (self.task != "causal-lm" or self.method != "sft"):
+            raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method sft; train "
+                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.method} on one --dataset")
+        if self.streaming and (self.task != "causal-lm" or self.method != "sft"):
+            raise UsageError(f"--streaming is for --task causal-lm --method sft; train "
+                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.method} without it")
+        if self.streaming and self.max_steps == 0:
+            raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by; pass "
+                             "--max_steps N (an epoch is then one pass, when the stream ends)")
+        if self.streaming and self.max_train_samples:
+            raise UsageError("--max_train_samples counts a dataset's rows, which a stream does not hold; with "
+                             "--streaming, --max_steps sets how much is read")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -354,8 +404,21 @@ def _suggest(name: str) -> str:
 
 
 def coerce(name: str, value: Any) -> Any:
-    """Convert a YAML or command-line value to the field's declared type."""
+    """Convert a YAML or command-line value to the field's declared type. An
+    option that takes several values takes a list (one value for `dataset`
+    stays a plain string, as runs have always recorded it)."""
     typ = field_types()[name]
+    if name in SEVERAL_VALUES:
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        element = SEVERAL_VALUES[name]
+        try:
+            if (not values and name == "dataset") or any(isinstance(v, (bool, dict, list)) or v is None for v in values):
+                raise ValueError
+            converted = [element(v) for v in values]
+        except (TypeError, ValueError):
+            raise UsageError(f"{name}: expected a list of {element.__name__}, got {value!r}; fix the value in the config "
+                             "or on the command line") from None
+        return converted[0] if name == "dataset" and len(converted) == 1 else converted
     try:
         if typ is bool:
             if isinstance(value, bool):

@@ -254,7 +254,9 @@ def rank_warning(accelerator, message: str) -> None:
 
 def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
     unit = throughput_key.removesuffix("_per_sec")
-    extra = "".join(f"  {name} {row[name]:.4f}" for name in row if "/" in name)  # a method's own (rewards/...)
+    # a method's own (rewards/...) and a mixture's tokens per source (tokens/...)
+    extra = "".join(f"  {name} {row[name]:,}" if isinstance(row[name], int) else f"  {name} {row[name]:.4f}"
+                    for name in row if "/" in name)
     return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
             f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}{extra}")
 
@@ -311,4 +313,5 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "first_eval": run.evals[0][1] if run.evals[0][0] == 0 else None,
         "last_eval": run.evals[-1][1],
         "final_model_dir": str(final_dir),
+        "sources": run.sources.summary(),  # examples and tokens training consumed from each --dataset
     }

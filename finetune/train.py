@@ -39,7 +39,7 @@ from finetune.backends.base import Backend, ShardReport
 from finetune.backends.mesh import data_parallel_size, tensor_parallel_size
 from finetune.collectives import WriteFailed, broadcast_from_main, on_every_rank
 from finetune.data.fingerprint import check_same_inputs, input_fingerprints
-from finetune.data.stream import EpochBatches
+from finetune.data.stream import EpochBatches, SourceTally, StreamBatches
 from finetune.errors import Stopped, UsageError
 from finetune.hardware import slow_bf16_warning
 from finetune.host_memory import HostMemory, resident_bytes
@@ -69,7 +69,8 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
-    train_batches: EpochBatches
+    train_batches: EpochBatches | StreamBatches
+    sources: SourceTally
     eval_loader: DataLoader
     checkpoints: CheckpointManager
     stop: StopSignals
@@ -190,7 +191,12 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 
     model, data = task.build(accelerator, backend, run_dir)
     train_loader, eval_loader = prepare_loaders(cfg, accelerator, task, data)
-    train_batches = EpochBatches(train_loader, accelerator, cfg.per_device_batch_size * data_parallel_size(accelerator))
+    if data.stream is not None:
+        train_batches = StreamBatches(data.stream, accelerator, cfg.per_device_batch_size, data.collate)
+    else:
+        train_batches = EpochBatches(train_loader, accelerator,
+                                     cfg.per_device_batch_size * data_parallel_size(accelerator))
+    sources = SourceTally(data.source_names or cfg.sources, cfg.source_weights)
     total_steps = cfg.max_steps or cfg.num_epochs * train_batches.steps_per_epoch(cfg.gradient_accumulation_steps)
     backend.check_model(accelerator, model)
     backend.split_layers(accelerator, model)
@@ -211,10 +217,11 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              "inputs": inputs},
-            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend, data=train_batches,
+            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend,
+        data=[train_batches, sources],
         allow_unverified=cfg.allow_unverified_checkpoint)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
-              schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,
+              schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches, sources=sources,
               eval_loader=eval_loader, checkpoints=checkpoints, stop=stop, heartbeats=heartbeats,
               total_steps=total_steps,
               progress=TrainingProgress(world_size=accelerator.num_processes),
@@ -233,8 +240,16 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
 def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
                     data: TaskData) -> tuple[DataLoader, DataLoader]:
     """Loaders split between the data-parallel ranks (tensor-parallel ranks
-    share a batch), refused when a rank would get no batch."""
+    share a batch), refused when a rank would get no batch. A stream has no
+    training loader: each rank reads its own part (StreamBatches)."""
     data_parallel = data_parallel_size(accelerator)
+    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_eval_batch_size or cfg.per_device_batch_size,
+                             collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
+    if data.stream is not None:
+        if data_parallel != accelerator.num_processes:
+            raise UsageError("--streaming splits the data by rank, and tensor-parallel ranks share one batch; stream "
+                             "with an FSDP or DDP config (fsdp.yaml, hsdp.yaml), or drop --streaming")
+        return None, accelerator.prepare(eval_loader)
     if len(data.train) < cfg.per_device_batch_size * data_parallel:
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
                          f"({cfg.per_device_batch_size} x {data_parallel}); add data or lower "
@@ -243,9 +258,8 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
     # evaluation, the first after a resume) would otherwise take a number from
     # the global RNG and shift every dropout mask after it.
     train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True,
-                              collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_eval_batch_size or cfg.per_device_batch_size,
-                             collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
+                              collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed),
+                              num_workers=cfg.dataloader_num_workers)
     return accelerator.prepare(train_loader, eval_loader)
 
 
@@ -341,9 +355,11 @@ def train_step(run: Run) -> StepResult:
     # Sums over all ranks count each batch once per rank that reads it (the tensor-parallel ranks share one).
     readers = tensor_parallel_size(acc)
     data_parallel = acc.num_processes // readers
-    count, stop_votes = acc.reduce(torch.tensor(
-        [sum(run.task.targets(batch) for batch in micro_batches) / readers, run.stop.flag], dtype=torch.float64,
-        device=acc.device), reduction="sum").tolist()
+    source_counts = run.sources.local_counts(micro_batches)
+    count, stop_votes, *source_counts = acc.reduce(torch.tensor(
+        [sum(run.task.targets(batch) for batch in micro_batches) / readers, run.stop.flag,
+         *(c / readers for c in source_counts)], dtype=torch.float64, device=acc.device), reduction="sum").tolist()
+    run.sources.add(source_counts)
     # Accelerate (or ZeRO's engine) divides every micro-batch by the accumulation
     # steps and the gradient reduction averages over the data-parallel ranks: undo both.
     weight = cfg.gradient_accumulation_steps * data_parallel / max(count, 1)
@@ -387,7 +403,7 @@ def after_step(run: Run, result: StepResult) -> None:
     if progress.step % cfg.log_every == 0 or progress.step == run.total_steps:
         row = {"step": progress.step, "epoch": progress.epoch, "loss": loss, "lr": result.lr,
                "grad_norm": result.grad_norm, "step_time_s": result.seconds, run.task.throughput_key: throughput,
-               **result.metrics,
+               **result.metrics, **run.sources.log_row(),
                # a scalar per rank, as every tracker plots them
                **{f"rss_bytes_rank{rank}": b for rank, b in enumerate(result.resident_bytes_per_rank)}}
         run.log(row)

@@ -16,7 +16,7 @@ from finetune.config import load_config
 from finetune.backends import OneProcess
 from finetune.backends.accelerator import build_accelerator
 from finetune.backends.base import ShardReport
-from finetune.data.stream import EpochBatches
+from finetune.data.stream import EpochBatches, SourceTally
 from finetune.liveness import Heartbeats
 from finetune.errors import Stopped, UsageError
 from finetune.models import build_cnn
@@ -57,11 +57,11 @@ def make_run(run_dir: Path) -> Run:
     train_batches = EpochBatches(None, accelerator, global_batch=4)  # steps are made up here: no data is read
     checkpoints = CheckpointManager(accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=0,
                                     keep_last=0, config_yaml="task: image-classification\n", tokenizer=None,
-                                    method=task.method, data=train_batches)
+                                    method=task.method, data=[train_batches])
     params = sum(p.numel() for p in model.parameters())
     run = Run(cfg=cfg, accelerator=accelerator, backend=OneProcess(), task=task, data=TaskData([], [], None, "none"), model=model,
               optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,
-              eval_loader=None, checkpoints=checkpoints, stop=StopSignals(),
+              sources=SourceTally(cfg.sources, cfg.source_weights), eval_loader=None, checkpoints=checkpoints, stop=StopSignals(),
               heartbeats=Heartbeats(run_dir, accelerator, cfg.ddp_timeout), total_steps=10,
               progress=TrainingProgress(), shards=ShardReport(params, [params]), fsdp_units=0)
     task.run = run

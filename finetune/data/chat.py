@@ -321,6 +321,15 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+# Per-row counts of what each source of a mixture put in the row (see mixture.py).
+SOURCE_COUNTS = ("source_tokens", "source_examples")
+
+
+def stack_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Rows of equal length (text blocks) as tensors."""
+    return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+
+
 class PadCollator:
     """Pads a batch to its longest row: input ids with `pad_id`, labels with
     -100; `attention_mask` marks the real tokens."""
@@ -340,6 +349,9 @@ class PadCollator:
             batch["labels"][i, :n] = torch.tensor(row["labels"])
             batch["position_ids"][i, :n] = torch.tensor(row["position_ids"])
             batch["attention_mask"][i, :n] = 1
+        for key in SOURCE_COUNTS:
+            if key in rows[0]:
+                batch[key] = torch.tensor([row[key] for row in rows])
         return batch
 
 

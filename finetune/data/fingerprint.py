@@ -6,6 +6,7 @@ is refused like a changed option."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from pathlib import Path
@@ -22,7 +23,19 @@ def local_path(value: str) -> Path | None:
     return Path(value) if value and Path(value).exists() else None
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
+def glob_matches(value: str) -> list[Path]:
+    """The files a glob such as data/shard-*.jsonl.gz names, sorted (none for anything else)."""
+    if not value or not any(c in value for c in "*?[") or Path(value).exists():
+        return []
+    return sorted(Path(p) for p in glob.glob(os.path.expanduser(value), recursive=True) if Path(p).is_file())
+
+
+# A streamed file is fingerprinted by its size and its first and last bytes:
+# reading the whole of a corpus larger than memory would delay every start.
+STREAMED_BYTES_READ = 1 << 20
+
+
+def fingerprint(path: Path, streamed: bool = False) -> dict[str, Any]:
     """Size, newest mtime and SHA-256 of a file, or of every file under a dir
     (names included). The hash decides; size and mtime say what changed."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not
@@ -34,14 +47,32 @@ def fingerprint(path: Path) -> dict[str, Any]:
         if file != path:
             digest.update(f"{file.relative_to(path)}\0{stat.st_size}\0".encode())
         with file.open("rb") as f:
+            if streamed and stat.st_size > 2 * STREAMED_BYTES_READ:
+                digest.update(f.read(STREAMED_BYTES_READ))
+                f.seek(-STREAMED_BYTES_READ, os.SEEK_END)
+                digest.update(f.read())
+                continue
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 digest.update(chunk)
     return {"path": str(path), "files": len(files), "bytes": size, "mtime": mtime, "sha256": digest.hexdigest()}
 
 
 def input_fingerprints(cfg) -> dict[str, dict]:
-    """The fingerprint of every local file or dir the run's options name."""
-    return {name: fingerprint(path) for name in INPUT_OPTIONS if (path := local_path(getattr(cfg, name)))}
+    """The fingerprint of every local file or dir the run's options name (a
+    mixture's: of its local sources together)."""
+    found = {}
+    for name in INPUT_OPTIONS:
+        value = getattr(cfg, name)
+        paths = [path for v in (value if isinstance(value, list) else [value])
+                 for path in ([local_path(v)] if local_path(v) else glob_matches(v))]
+        prints = [fingerprint(path, streamed=getattr(cfg, "streaming", False)) for path in paths]
+        if len(prints) == 1 and local_path(value if isinstance(value, str) else ""):
+            found[name] = prints[0]
+        elif prints:
+            found[name] = {"path": [p["path"] for p in prints], "files": sum(p["files"] for p in prints),
+                           "bytes": sum(p["bytes"] for p in prints), "mtime": max(p["mtime"] for p in prints),
+                           "sha256": hashlib.sha256("".join(p["sha256"] for p in prints).encode()).hexdigest()}
+    return found
 
 
 def check_same_inputs(recorded: Any, now: dict[str, dict], cfg, checkpoint_dir: Path) -> None:

@@ -8,47 +8,74 @@ text.py and images.py turn what this returns into token blocks or pixels.
 from __future__ import annotations
 
 import codecs
-
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Callable
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+from datasets.data_files import SPLIT_KEYWORDS
 from datasets.utils import logging as datasets_logging
 
+from finetune.data.fingerprint import glob_matches
 from finetune.errors import UsageError
+
+# Compressed data files are read through (datasets opens them by their suffix).
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 
 # Held-out splits a dataset may bring, in the order they are preferred.
 HELD_OUT_SPLITS = ("validation", "test")
 
 
 def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders: dict[str, str],
-                accepted: str, config: str = "", builder_options: dict[str, dict] | None = None) -> DatasetDict:
+                accepted: str, config: str = "", builder_options: dict[str, dict] | None = None,
+                streaming: bool = False) -> DatasetDict | IterableDatasetDict:
     """`file_builders` maps the file suffixes a task reads to `datasets`
     builders, and `builder_options` a builder to its options for local files
     (the text builder's `sample_by`); `accepted` names them for error messages;
     `config` names one of a dataset's configurations (a Hub dataset's, or those
-    a local dir's README.md dataset card declares)."""
+    a local dir's README.md dataset card declares). `streaming`: iterable
+    splits that read their files only as they are iterated."""
     if dataset == "builtin":
-        return builtin()
+        return builtin().to_iterable_dataset() if streaming else builtin()
     path = Path(dataset)
     if path.is_dir() and (path / "README.md").is_file():  # a dataset card: datasets reads its configs and files
-        return _load(str(path), config, f"--dataset {dataset}")
-    if path.exists():
+        return _load(str(path), config, f"--dataset {dataset}", streaming)
+    if path.exists() or (matches := glob_matches(dataset)):
         if config:
             raise UsageError(f"--dataset {dataset} has no configurations (no README.md dataset card declares any); "
                              "drop --dataset_config")
-        return _load_local(path, file_builders, accepted, builder_options or {})
-    if dataset.startswith((".", "/", "~")) or path.suffix.lower() in file_builders:
+        files = [path] if path.is_file() else matches if not path.exists() else sorted(
+            p for p in path.rglob("*") if p.is_file() and data_suffix(p) in file_builders)
+        return _load_local(dataset, files, file_builders, accepted, builder_options or {}, streaming)
+    if any(c in dataset for c in "*?["):
+        raise UsageError(f"--dataset {dataset} matches no file; check the pattern (quote it so that the shell "
+                         "leaves it to finetune)")
+    if dataset.startswith((".", "/", "~")) or data_suffix(path) in file_builders:
         raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
-    return _load(dataset, config, f"Hub dataset {dataset!r}")
+    return _load(dataset, config, f"Hub dataset {dataset!r}", streaming)
 
 
-def _load(dataset: str, config: str, what: str) -> DatasetDict:
+def data_suffix(path: Path) -> str:
+    """A data file's type: .jsonl for both x.jsonl and x.jsonl.gz."""
+    suffixes = [s.lower() for s in path.suffixes]
+    return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
+
+
+def split_of(file: Path) -> str:
+    """The split a file's name gives it, by datasets' own keywords
+    (train-00001.jsonl, valid.parquet, ...); train when it names none."""
+    for split, keywords in SPLIT_KEYWORDS.items():
+        if re.search(rf"(^|[-._ 0-9])({'|'.join(keywords)})([-._ 0-9]|$)", file.name.lower()):
+            return str(split)
+    return "train"
+
+
+def _load(dataset: str, config: str, what: str, streaming: bool = False) -> DatasetDict | IterableDatasetDict:
     """load_dataset, with the library's own reason (the list of configs, ...) in the one-line error."""
     try:
-        return load_dataset(dataset, name=config or None)
+        return load_dataset(dataset, name=config or None, streaming=streaming)
     except Exception as e:  # datasets raises many types for unreachable or unknown ids and configs
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         fix = ("pass one with --dataset_config" if "onfig" in reason
@@ -56,31 +83,44 @@ def _load(dataset: str, config: str, what: str) -> DatasetDict:
         raise UsageError(f"could not load {what} ({type(e).__name__}: {reason}); {fix}") from None
 
 
-def _load_local(path: Path, file_builders: dict[str, str], accepted: str, builder_options: dict[str, dict]) -> DatasetDict:
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*")
-                                                 if p.is_file() and p.suffix.lower() in file_builders)
-    if path.is_file() and path.suffix.lower() not in file_builders:
-        raise UsageError(f"--dataset {path}: unsupported file type {path.suffix!r}; use {accepted}")
+def _load_local(dataset: str, files: list[Path], file_builders: dict[str, str], accepted: str,
+                builder_options: dict[str, dict], streaming: bool) -> DatasetDict | IterableDatasetDict:
+    path = Path(dataset)
+    if path.is_file() and data_suffix(path) not in file_builders:
+        raise UsageError(f"--dataset {path}: unsupported file type {data_suffix(path)!r}; use {accepted}")
     if not files:
         raise UsageError(f"--dataset {path} holds no {accepted}; point it at a data file or a dir of them")
-    builders = {file_builders[p.suffix.lower()] for p in files}
+    builders = {file_builders.get(data_suffix(p), data_suffix(p)) for p in files}
     if len(builders) > 1:
-        raise UsageError(f"--dataset {path} mixes file types ({', '.join(sorted(builders))}); keep one type per dir")
+        raise UsageError(f"--dataset {path} mixes file types ({', '.join(sorted(builders))}); keep one type per "
+                         "dir or pattern")
     if all(p.stat().st_size == 0 for p in files):
         raise UsageError(f"--dataset {path} is empty; give it some data")
     builder = builders.pop()
-    if builder in ("json", "text", "csv"):
+    if builder not in file_builders.values():
+        raise UsageError(f"--dataset {path}: unsupported file type {builder!r}; use {accepted}")
+    if builder in ("json", "text", "csv") and not streaming:  # a stream's bad bytes are found as it is read
         for file in files:
-            check_utf8(file, "--dataset")
+            if file.suffix.lower() not in COMPRESSIONS:
+                check_utf8(file, "--dataset")
+    if any(file.suffix.lower() == ".zst" for file in files):
+        try:
+            import zstandard  # noqa: F401  datasets opens .zst files with it
+        except ImportError:
+            raise UsageError(f"--dataset {path} holds .zst files, which need the zstandard package: pip install "
+                             "zstandard") from None
     # The reader logs its own error line before ours: its reason goes into ours instead.
     verbosity = datasets_logging.get_verbosity()
     datasets_logging.set_verbosity(datasets_logging.CRITICAL)
     try:
-        # A dir keeps the splits its file names give (train*, validation*, test*: datasets' own rules).
+        # A dir or a pattern keeps the splits its file names give (train*, validation*, test*: datasets' own rules).
         options = builder_options.get(builder, {})
         if path.is_dir():
-            return load_dataset(builder, data_dir=str(path), **options)
-        return load_dataset(builder, data_files=[str(path)], **options)
+            return load_dataset(builder, data_dir=str(path), streaming=streaming, **options)
+        splits: dict[str, list[str]] = {}
+        for file in files:
+            splits.setdefault(split_of(file) if len(files) > 1 else "train", []).append(str(file))
+        return load_dataset(builder, data_files=splits, streaming=streaming, **options)
     except Exception as e:  # datasets raises many types for unreadable files
         raise UsageError(f"could not read --dataset {path} as {builder} ({root_cause(e)}); "
                          "check the file format") from None

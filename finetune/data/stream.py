@@ -13,12 +13,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Protocol
 
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
+from finetune.data.mixture import RowStream
 from finetune.errors import UsageError
+
+
+class DataState(Protocol):
+    """What a checkpoint saves of the data (every rank calls `state_dict`)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class EpochBatches:
@@ -75,3 +86,121 @@ class EpochBatches:
         batches.set_epoch(epoch)
         self._epoch = epoch
         return iter(batches)
+
+
+class StreamBatches:
+    """Streamed data: each rank reads its own part of the sources
+    (mixture.RowStream), and the ranks agree on every step's micro-batch
+    count, so that a pass ends on all of them at once (what some ranks still
+    hold of that pass is skipped, and said). Its position is every rank's
+    position in its own stream: a resume needs the same number of ranks."""
+
+    def __init__(self, stream: RowStream, accelerator: Accelerator, per_device_batch: int, collate):
+        self.stream, self.accelerator = stream, accelerator
+        self.per_device_batch, self.collate = per_device_batch, collate
+        self.position: dict | None = None           # after the last row taken (None: the start of the pass)
+        self.positions: list | None = None          # every rank's, when a resume loaded them
+        self._rows: Iterator[tuple[dict, dict]] | None = None
+        self._next: tuple[dict, dict] | None = None  # one row read ahead, to know a pass ended with its last batch
+        self._epoch: int | None = None
+        self.epoch_ended = False
+
+    def steps_per_epoch(self, accumulation: int) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        """A collective: every rank's position, gathered for the main process to save."""
+        return {"stream_positions": gather_object([self.position])}
+
+    def load_state_dict(self, state: dict) -> None:
+        positions = state.get("stream_positions")
+        world = self.accelerator.num_processes
+        if not isinstance(positions, list):
+            raise UsageError("the checkpoint holds no stream position (it was written by a run without --streaming); "
+                             "resume it without --streaming")
+        if len(positions) != world:
+            raise UsageError(f"the checkpoint's stream positions are those of {len(positions)} ranks, each in its own "
+                             f"part of the data, and this resume has {world}; resume with --num_processes "
+                             f"{len(positions)} (the data's order depends on the number of ranks)")
+        self.position, self._rows, self._next = positions[self.accelerator.process_index], None, None
+
+    def take(self, epoch: int, count: int) -> list[dict]:
+        if self._rows is None or self._epoch != epoch:
+            self._rows, self._epoch = self.stream.rows(epoch, self.position), epoch
+            self._next = next(self._rows, None)
+        batches: list[list[tuple[dict, dict]]] = []
+        while len(batches) < count and self._next is not None:
+            rows = []
+            while len(rows) < self.per_device_batch and self._next is not None:
+                rows.append(self._next)
+                self._next = next(self._rows, None)
+            if len(rows) == self.per_device_batch:  # a pass's last rows that do not fill a batch are dropped
+                batches.append(rows)
+        ended_here = self._next is None
+        # Every rank takes as many micro-batches as the one with the fewest.
+        counts = gather_object([(len(batches), ended_here)])
+        usable = min(n for n, _ in counts)
+        self.epoch_ended = usable < count or any(ended for _, ended in counts)
+        if usable == 0:
+            empty = [rank for rank, (n, _) in enumerate(counts) if n == 0]
+            raise UsageError(f"rank(s) {', '.join(map(str, empty))} have no batch of {self.per_device_batch} rows in "
+                             f"pass {epoch + 1} of the stream; give the data more examples or shards, or lower "
+                             "--per_device_batch_size or the number of processes")
+        if self.epoch_ended and self.accelerator.is_main_process and (left := sum(n for n, _ in counts) - usable * len(counts)):
+            print(f"pass {epoch + 1} of the stream ended on a rank with fewer batches: {left} micro-batch(es) the "
+                  "other ranks still held of it are skipped", flush=True)
+        taken = batches[:usable]
+        self.position = taken[-1][-1][1]
+        return [self.collate([row for row, _ in rows]) for rows in taken]
+
+    def end_epoch(self) -> None:
+        self.position, self._rows, self._next = None, None, None
+
+
+class SourceTally:
+    """The examples and tokens training consumed from each source, over all
+    ranks, from the rows' per-source counts (mixture.py); saved with every
+    checkpoint beside the position. Rows without counts (a single map-style
+    source) count as one source: their rows and real tokens."""
+
+    def __init__(self, names: list[str], weights: list[float]):
+        self.names, self.weights = names, weights
+        self.examples, self.tokens = [0] * len(names), [0] * len(names)
+
+    def local_counts(self, micro_batches: list[dict]) -> list[float]:
+        """This rank's examples then tokens per source in `micro_batches`; the counts leave the batches."""
+        examples, tokens = [0.0] * len(self.names), [0.0] * len(self.names)
+        for batch in micro_batches:
+            if "source_tokens" in batch:
+                examples = [a + b for a, b in zip(examples, batch.pop("source_examples").sum(0).tolist())]
+                tokens = [a + b for a, b in zip(tokens, batch.pop("source_tokens").sum(0).tolist())]
+            else:
+                mask = batch.get("attention_mask")
+                examples[0] += len(batch["input_ids"])
+                tokens[0] += float(mask.sum() if mask is not None else batch["input_ids"].numel())
+        return examples + tokens
+
+    def add(self, counts: list[float]) -> None:
+        """Counts over all ranks, as `local_counts` lays them out."""
+        n = len(self.names)
+        self.examples = [a + round(b) for a, b in zip(self.examples, counts[:n])]
+        self.tokens = [a + round(b) for a, b in zip(self.tokens, counts[n:])]
+
+    def state_dict(self) -> dict:
+        return {"sources_consumed": {"examples": self.examples, "tokens": self.tokens}}
+
+    def load_state_dict(self, state: dict) -> None:
+        consumed = state.get("sources_consumed")
+        if isinstance(consumed, dict) and len(consumed.get("tokens", [])) == len(self.names):
+            self.examples, self.tokens = list(consumed["examples"]), list(consumed["tokens"])
+
+    def summary(self) -> list[dict]:
+        return [{"dataset": name, "weight": weight, "examples": examples, "tokens": tokens}
+                for name, weight, examples, tokens in zip(self.names, self.weights, self.examples, self.tokens)]
+
+    def log_row(self) -> dict[str, int]:
+        """metrics.jsonl's running token count per source, by the source's file or dataset name."""
+        labels = [Path(name.rstrip("/")).name or name for name in self.names]
+        if len(set(labels)) < len(labels):
+            labels = [f"{i}_{label}" for i, label in enumerate(labels)]
+        return {f"tokens/{label}": tokens for label, tokens in zip(labels, self.tokens)} if len(self.names) > 1 else {}

@@ -8,12 +8,18 @@ example.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 from datasets import Dataset, DatasetDict, load_dataset
+from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.builtin import build_stdlib_corpus, build_stdlib_preferences, build_stdlib_questions
 from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
-from finetune.data.sources import load_source, train_and_held_out, train_split
+from finetune.data.mixture import Source, is_held_out
+from finetune.data.sources import (HELD_OUT_SPLITS, limit_samples, load_source, named_split, root_cause,
+                                   train_and_held_out, train_split)
 from finetune.errors import UsageError
 
 TEXT_FILES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -133,3 +139,78 @@ def _strings(value) -> list[str]:
     if isinstance(value, dict):
         return [s for item in value.values() for s in _strings(item)]
     return []
+
+
+# --- mixtures and streams (the rows themselves: mixture.py) ---------------------------------------
+
+STREAM_EVAL_ROWS = 1000   # held-out examples read from a stream when --max_eval_samples is 0
+TOKENIZER_SAMPLE_ROWS = 2000  # examples per source a preset's tokenizer is trained on, with --streaming
+
+
+@dataclass
+class LoadedSources:
+    sources: list[Source]
+    validation: list[list[dict]]  # each source's held-out raw rows
+    sample: Dataset               # text to train a preset's tokenizer on
+
+
+def load_sources(cfg, rank: int, world_size: int) -> LoadedSources:
+    """Every --dataset source, with its format, its training rows (this rank's
+    part of a stream) and its held-out rows. A stream's held-out rows are its
+    validation split's first ones, else those a hash of their content holds
+    out (--validation_split of them), which training then skips."""
+    sources, validation, sample = [], [], []
+    for name, weight in zip(cfg.sources, cfg.source_weights):
+        if cfg.streaming:
+            source, held_out = _streamed_source(cfg, name, weight, rank, world_size)
+        else:
+            raw, data_format = load_raw_data(name, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
+                                             config=cfg.dataset_config, split=cfg.dataset_split,
+                                             eval_split=cfg.eval_split, sample_by=cfg.text_sample_by)
+            raw = limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples)
+            source = Source(name, weight, data_format, lambda train=raw["train"]: train)
+            held_out = list(raw["validation"])
+        if source.data_format == "preference":
+            raise UsageError(f"--dataset {name} holds preference pairs (chosen/rejected), which a mixture does not "
+                             "train on; train --method dpo on it alone")
+        sources.append(source)
+        validation.append(held_out)
+        sample += [text for row in itertools.islice(source.open(), TOKENIZER_SAMPLE_ROWS)
+                   for text in _strings(row)]
+    return LoadedSources(sources, validation, Dataset.from_dict({"text": sample}))
+
+
+def _streamed_source(cfg, name: str, weight: float, rank: int, world_size: int) -> tuple[Source, list[dict]]:
+    builtin = _builtin_chat if cfg.data_format in SFT_FORMATS else _builtin_text
+    raw = load_source(name, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files (or .gz/.zst)", cfg.dataset_config,
+                      _txt_options(cfg.text_sample_by), streaming=True)
+    train = train_split(raw, cfg.dataset_split)
+    first = _first_row(train, name)
+    data_format = detect_format(list(first), cfg.data_format, cfg.text_column, name)
+    text_column = cfg.text_column
+    if data_format == "text":
+        if not isinstance(first.get(text_column), str):
+            raise UsageError(f"--dataset {name}: column {text_column!r} holds {type(first.get(text_column)).__name__} "
+                             "values, not text; pass --text_column with the text, or --data_format chat/instruction "
+                             "for conversations")
+        if getattr(train.info, "builder_name", None) == "text":  # a .txt paragraph's blank lines, as _text_splits
+            train = train.map(lambda row: {text_column: row[text_column].strip("\n")})
+    held_out_split = (named_split(raw, cfg.eval_split, "--eval_split") if cfg.eval_split else next(
+        (raw[split] for split in HELD_OUT_SPLITS if split in raw and split != (cfg.dataset_split or "train")), None))
+    fraction = 0.0 if held_out_split is not None else cfg.validation_split
+    rows = held_out_split if held_out_split is not None else (row for row in train if is_held_out(row, fraction))
+    held_out = list(itertools.islice(rows, cfg.max_eval_samples or STREAM_EVAL_ROWS))
+    source = Source(name, weight, data_format, lambda: split_dataset_by_node(train, rank=rank, world_size=world_size),
+                    text_column=text_column, held_out=fraction)
+    return source, held_out
+
+
+def _first_row(rows, name: str) -> dict:
+    try:
+        first = next(iter(rows), None)
+    except Exception as e:  # datasets raises many types for a file it cannot parse
+        raise UsageError(f"could not read --dataset {name} ({type(e).__name__}: {root_cause(e)}); check the file "
+                         "format") from None
+    if first is None:
+        raise UsageError(f"--dataset {name} holds no examples; give it some rows")
+    return first

@@ -25,6 +25,8 @@ from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 if TYPE_CHECKING:
     import evaluate
 
+    from finetune.data.mixture import RowStream
+
     from finetune.shard_loading import OwnShards
 
 METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics_modules"
@@ -32,12 +34,14 @@ METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics_modules"
 
 @dataclass
 class TaskData:
-    train: Dataset
+    train: Dataset | None                       # None when the training rows are streamed
     validation: Dataset
     tokenizer: PreTrainedTokenizerBase | None  # saved with the model (text only)
     description: str                            # "1437 train / 360 validation images of 28x28"
     collate: Callable | None = None             # batches rows of different lengths (None: the default collate)
-    data_format: str | None = None              # text, chat, instruction or prompt_completion (text tasks)
+    data_format: str | None = None              # text, chat, instruction, prompt_completion or mixture (text tasks)
+    stream: "RowStream | None" = None           # --streaming: this rank's training rows
+    source_names: list[str] | None = None       # what the rows' per-source counts count (mixtures, streams)
 
 
 @dataclass

@@ -4,6 +4,7 @@ cross-entropy on the targets, perplexity."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -15,9 +16,10 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
 from finetune.models.gguf import converted_dir, is_gguf
-from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
+from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id, stack_rows
+from finetune.data.mixture import Encoder, RowStream, row_mode
 from finetune.data.sources import limit_samples
-from finetune.data.text import load_raw_data, tokenize_and_group
+from finetune.data.text import LoadedSources, load_raw_data, load_sources, tokenize_and_group
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
 from finetune.backends.base import Backend
 from finetune.collectives import broadcast_from_main, check_same_layout, main_process_first
@@ -90,7 +92,13 @@ class CausalLM(Task):
         cfg = self.cfg
         if is_gguf(cfg.model):
             self.model_source = str(main_process_first(accelerator, lambda: converted_dir(cfg.model)))
-        raw, data_format = main_process_first(accelerator, self._raw_data)
+        mixed = cfg.streaming or len(cfg.sources) > 1
+        if mixed:
+            loaded = main_process_first(accelerator, lambda: load_sources(cfg, accelerator.process_index,
+                                                                         accelerator.num_processes))
+            raw, data_format = DatasetDict(train=loaded.sample), "mixture"
+        else:
+            raw, data_format = main_process_first(accelerator, self._raw_data)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
@@ -107,9 +115,50 @@ class CausalLM(Task):
             self.method.base_record = broadcast_from_main(self.method.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
                 backend.leave_loading_to_the_ranks(accelerator)
+        if mixed:
+            return model, self._mixed_data(loaded, tokenizer, accelerator.process_index)
         splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format)
+
+    def _mixed_data(self, loaded: LoadedSources, tokenizer: PreTrainedTokenizerBase, rank: int) -> TaskData:
+        """A stream's or a mixture's rows (mixture.py): held-out rows built
+        source by source, training rows drawn from all of them by weight; a
+        mixture without --streaming is drawn once, in full, and then shuffled
+        each epoch like any map-style data."""
+        cfg, sources = self.cfg, loaded.sources
+        formats = [source.data_format for source in sources]
+        for data_format in dict.fromkeys(f for f in formats if f != "text"):
+            load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
+        mode = row_mode(formats, cfg.packing)
+        encoder = Encoder(tokenizer, sources, cfg.block_size, cfg.train_on_prompt, cfg.long_examples,
+                          pieces=mode != "blocks")
+        validation = []
+        for i, (source, rows) in enumerate(zip(sources, loaded.validation)):
+            alone = [dataclasses.replace(s, weight=float(j == i), open=lambda rows=rows: rows, held_out=0.0)
+                     for j, s in enumerate(sources)]
+            validation += [row for row, _ in RowStream(alone, encoder, mode, cfg.block_size, "first_exhausted",
+                                                       cfg.seed, rank=0).rows(0)]
+        if not validation:
+            raise UsageError(f"no held-out row is left of {', '.join(cfg.sources)} after fitting to --block_size "
+                             f"{cfg.block_size}; add held-out examples or lower --block_size")
+        collate = stack_rows if mode == "blocks" else PadCollator(pad_id(tokenizer))
+        weights = " ".join(f"{s.weight:.3g}" for s in sources)
+        what = (f"{len(sources)} sources ({', '.join(formats)}) drawn with weights {weights} until "
+                f"{cfg.mixture_stop.replace('_', ' ')}" if len(sources) > 1 else f"{formats[0]} data")
+        rows = {"blocks": f"blocks of {cfg.block_size}", "packed": f"packed blocks of {cfg.block_size}",
+                "examples": "examples"}[mode]
+        stream = RowStream(sources, encoder, mode, cfg.block_size, cfg.mixture_stop, cfg.seed, rank,
+                           workers=cfg.dataloader_num_workers)
+        if cfg.streaming:
+            return TaskData(None, Dataset.from_list(validation), tokenizer,
+                            f"{what}, streamed as {rows}; {len(validation)} held-out {rows}", collate=collate,
+                            data_format="mixture", stream=stream, source_names=list(cfg.sources))
+        train = Dataset.from_list([row for row, _ in stream.rows(0)])  # the same on every rank: the seed's draw
+        stream.close()
+        return TaskData(train, Dataset.from_list(validation), tokenizer,
+                        f"{what}: {len(train)} train / {len(validation)} validation {rows}", collate=collate,
+                        data_format="mixture", source_names=list(cfg.sources))
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
         self._check_block_size(model)

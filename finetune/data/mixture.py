@@ -1,0 +1,353 @@
+"""Training rows from one or more sources, drawn with weights, read in order:
+the path of streamed data, and of every mixture.
+
+    sources  each a factory of an iterable of raw rows (this rank's part of a stream)
+    picks    which source the next example comes from: a function of (seed, rank, pass, n)
+    encode   text -> token ids and an end-of-text token; chat/instruction -> ids and labels
+    rows     blocks of concatenated text, packed examples, or one example per row
+
+Every row carries `source_tokens` and `source_examples` (one count per
+source), which the batches add up for summary.json's `sources`.
+
+The position after every row is a small JSON-able dict: the sources' reading
+states before the chunk of examples being used, how many of that chunk's
+examples were used, and what the row builder holds (a partial block). Reading
+the same chunk again and skipping the used examples puts a resumed stream
+exactly where it was, whatever the number of encoding workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import multiprocessing
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from finetune.data.chat import IGNORE, ChatEncoder
+from finetune.data.sources import root_cause
+from finetune.errors import UsageError
+
+CHUNK = 128          # raw examples read and encoded together
+PICKS_PER_DRAW = 4096  # source choices drawn from one generator
+OPEN_BLOCKS = 4      # packed blocks an example may still go into
+
+
+@dataclass
+class Source:
+    name: str                          # as --dataset gave it
+    weight: float                      # its share of the examples drawn
+    data_format: str                   # text, chat, instruction or prompt_completion
+    open: Callable[[], Any]            # a fresh iterable of its raw training rows (IterableDataset or Dataset)
+    text_column: str = "text"
+    held_out: float = 0.0              # the fraction of its rows kept for evaluation (by content), skipped here
+
+
+def is_held_out(row: dict, fraction: float) -> bool:
+    """Whether a streamed row is held out for evaluation: decided by a hash of
+    its content, the same on every rank, every pass and every resume."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(json.dumps(row, sort_keys=True, default=str).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+class DataReadError(UsageError):
+    """A source that cannot be read part-way through."""
+
+
+# --- which source next ----------------------------------------------------------------------------
+
+class Picks:
+    """The source of the n-th example of a pass, the same on every resume."""
+
+    def __init__(self, weights: list[float], seed: int, rank: int, data_pass: int):
+        self.probabilities = np.asarray(weights, dtype=np.float64) / sum(weights)
+        self.key = [seed, rank, data_pass]
+        self._draw, self._choices = -1, np.empty(0, dtype=np.int64)
+
+    def __getitem__(self, n: int) -> int:
+        draw = n // PICKS_PER_DRAW
+        if draw != self._draw:
+            rng = np.random.default_rng([*self.key, draw])
+            self._draw = draw
+            self._choices = rng.choice(len(self.probabilities), size=PICKS_PER_DRAW, p=self.probabilities)
+        return int(self._choices[n % PICKS_PER_DRAW])
+
+
+# --- raw rows -> examples -------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int] | None  # None: every token is a target (text)
+    source: int
+
+
+class Encoder:
+    """Token ids of raw rows, by each source's format, fitted to the block
+    size like the map-style path does (chat.encode_split)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, sources: list[Source], block_size: int,
+                 train_on_prompt: bool, long_examples: str, pieces: bool):
+        self.tokenizer, self.block_size, self.long_examples = tokenizer, block_size, long_examples
+        self.text_columns = [s.text_column for s in sources]
+        self.formats = [s.data_format for s in sources]
+        self.chat = {fmt: ChatEncoder(tokenizer, fmt, train_on_prompt) for fmt in set(self.formats) if fmt != "text"}
+        self.pieces = pieces  # text as examples of at most block_size (a mixture with chat data)
+
+    def __call__(self, raw: list[tuple[int, int, dict]]) -> list[Example | None]:
+        """(source, example number, row) -> an example, or None for one that is dropped."""
+        texts = [(i, row[self.text_columns[s]]) for i, (s, _, row) in enumerate(raw) if self.formats[s] == "text"]
+        ids = self.tokenizer([t or "" for _, t in texts])["input_ids"] if texts else []
+        out: list[Example | None] = [None] * len(raw)
+        for (i, text), tokens in zip(texts, ids):
+            if text and text.strip():
+                out[i] = Example(tokens + [self.tokenizer.eos_token_id], None, raw[i][0])
+        for i, (s, number, row) in enumerate(raw):
+            if self.formats[s] != "text":
+                out[i] = self._fitted(self.chat[self.formats[s]].encode(row, number - 1), s)
+        if self.pieces:
+            return [piece for example in out for piece in self._pieces(example)]
+        return out
+
+    def _fitted(self, encoded, source: int) -> Example | None:
+        ids, labels = encoded.input_ids, encoded.labels
+        if len(ids) > self.block_size:
+            if self.long_examples == "drop":
+                return None
+            ids, labels = ids[:self.block_size], labels[:self.block_size]
+        if all(label == IGNORE for label in labels[1:]):  # nothing to learn from
+            return None
+        return Example(ids, labels, source)
+
+    def _pieces(self, example: Example | None) -> list[Example | None]:
+        if example is None or example.labels is not None:
+            return [example]
+        size = self.block_size
+        return [Example(example.input_ids[i:i + size], example.input_ids[i:i + size], example.source)
+                for i in range(0, len(example.input_ids), size) if len(example.input_ids[i:i + size]) > 1]
+
+
+# --- examples -> rows -----------------------------------------------------------------------------
+
+class RowBuilder:
+    """Rows from examples, one mode per run: `blocks` (text only: documents
+    concatenated, cut every block_size tokens, the tail of a pass dropped),
+    `packed` (examples kept whole, first fit into a few open blocks, position
+    ids restarting at every example) or `examples` (one per row). Its state is
+    what it holds between rows."""
+
+    def __init__(self, mode: str, block_size: int, sources: int):
+        self.mode, self.block_size, self.sources = mode, block_size, sources
+        self.carry: list[int] = []                   # blocks: tokens not in a row yet
+        self.carry_sources: list[list[int]] = []     # blocks: [source, tokens, starts a document] runs of the carry
+        self.open: list[dict] = []                   # packed: blocks still filling
+        self.ready: deque[dict] = deque()            # rows built, not yet taken
+
+    def state_dict(self) -> dict:
+        return {"carry": list(self.carry), "carry_sources": copy.deepcopy(self.carry_sources),
+                "open": copy.deepcopy(self.open), "ready": copy.deepcopy(list(self.ready))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carry, self.carry_sources = list(state["carry"]), copy.deepcopy(state["carry_sources"])
+        self.open, self.ready = copy.deepcopy(state["open"]), deque(copy.deepcopy(state["ready"]))
+
+    def add(self, example: Example) -> None:
+        if self.mode == "blocks":
+            self.carry += example.input_ids
+            self.carry_sources.append([example.source, len(example.input_ids), 1])
+            while len(self.carry) >= self.block_size:
+                self._cut_block()
+            return
+        labels = example.labels if example.labels is not None else list(example.input_ids)
+        piece = {"input_ids": example.input_ids, "labels": labels, "source": example.source}
+        if self.mode == "examples":
+            self.ready.append(self._row([piece], packed=False))
+            return
+        fits = [block for block in self.open if block["length"] + len(example.input_ids) <= self.block_size]
+        if fits:
+            fits[0]["pieces"].append(piece)
+            fits[0]["length"] += len(example.input_ids)
+            return
+        if len(self.open) == OPEN_BLOCKS:  # the fullest goes out, to make room
+            fullest = max(self.open, key=lambda block: block["length"])
+            self.open.remove(fullest)
+            self.ready.append(self._row(fullest["pieces"], packed=True))
+        self.open.append({"pieces": [piece], "length": len(example.input_ids)})
+
+    def end_of_pass(self) -> None:
+        """Packed blocks still filling go out; a text tail shorter than a block is dropped."""
+        for block in self.open:
+            self.ready.append(self._row(block["pieces"], packed=True))
+        self.open, self.carry, self.carry_sources = [], [], []
+
+    def pop(self) -> dict | None:
+        return self.ready.popleft() if self.ready else None
+
+    def _cut_block(self) -> None:
+        size = self.block_size
+        tokens, examples, left = [0] * self.sources, [0] * self.sources, size
+        while left:
+            run = self.carry_sources[0]
+            used = min(run[1], left)
+            tokens[run[0]] += used
+            examples[run[0]] += run[2]
+            run[2] = 0  # the document's start is counted once
+            run[1] -= used
+            left -= used
+            if run[1] == 0:
+                self.carry_sources.pop(0)
+        self.ready.append({"input_ids": self.carry[:size], "source_tokens": tokens, "source_examples": examples})
+        self.carry = self.carry[size:]
+
+    def _row(self, pieces: list[dict], packed: bool) -> dict:
+        tokens, examples = [0] * self.sources, [0] * self.sources
+        for piece in pieces:
+            tokens[piece["source"]] += len(piece["input_ids"])
+            examples[piece["source"]] += 1
+        # In a packed block the position before an example belongs to another: its first token is no target.
+        return {"input_ids": [t for p in pieces for t in p["input_ids"]],
+                "labels": [t for p in pieces for t in ([IGNORE] + p["labels"][1:] if packed else p["labels"])],
+                "position_ids": [i for p in pieces for i in range(len(p["input_ids"]))],
+                "source_tokens": tokens, "source_examples": examples}
+
+
+def row_mode(formats: list[str], packing: bool) -> str:
+    if all(fmt == "text" for fmt in formats):
+        return "blocks"
+    return "packed" if packing else "examples"
+
+
+# --- the stream -----------------------------------------------------------------------------------
+
+class RowStream:
+    """One pass of this rank's rows, each with the position after it; a new
+    pass (`start`) reads every source from its beginning again."""
+
+    def __init__(self, sources: list[Source], encoder: Encoder, mode: str, block_size: int, stop: str, seed: int,
+                 rank: int, workers: int = 0):
+        self.sources, self.encoder, self.stop, self.seed, self.rank = sources, encoder, stop, seed, rank
+        self.builder = RowBuilder(mode, block_size, len(sources))
+        self.workers = workers
+        self._pool = None
+
+    def rows(self, data_pass: int, position: dict | None = None) -> Iterator[tuple[dict, dict]]:
+        """(row, position after it) until the pass ends; from `position` when given."""
+        readers = [self._reader(i) for i in range(len(self.sources))]
+        picks = Picks([s.weight for s in self.sources], self.seed, self.rank, data_pass)
+        state = {"picked": 0, "passes": [0] * len(self.sources), "done": [False] * len(self.sources),
+                 "numbers": [0] * len(self.sources), "readers": [None] * len(self.sources)}
+        skip = 0
+        self.builder = RowBuilder(self.builder.mode, self.builder.block_size, len(self.sources))
+        if position is not None:
+            state = copy.deepcopy(position["chunk"])
+            for i, reader_state in enumerate(state["readers"]):
+                readers[i] = self._reader(i, reader_state)
+            skip = position["used"]
+            self.builder.load_state_dict(position["builder"])
+            while (row := self.builder.pop()) is not None:
+                yield row, {**position, "builder": self.builder.state_dict()}
+        for chunk_state, examples in self._encoded_chunks(readers, picks, state):
+            for used in range(skip, len(examples)):
+                if examples[used] is not None:
+                    self.builder.add(examples[used])
+                while (row := self.builder.pop()) is not None:
+                    yield row, {"chunk": chunk_state, "used": used + 1, "builder": self.builder.state_dict()}
+            skip = 0
+        self.builder.end_of_pass()
+        while (row := self.builder.pop()) is not None:
+            yield row, {"chunk": chunk_state, "used": len(examples), "builder": self.builder.state_dict()}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+    def _encoded_chunks(self, readers: list, picks: Picks, state: dict) -> Iterator[tuple[dict, list]]:
+        """(the reading state before the chunk, its encoded examples), with up
+        to 2 x workers chunks encoding ahead in worker processes."""
+        chunks = self._raw_chunks(readers, picks, state)
+        if not self.workers:
+            for chunk_state, raw in chunks:
+                yield chunk_state, self.encoder(raw)
+            return
+        if self._pool is None:  # forked once: the workers hold the tokenizer
+            self._pool = multiprocessing.get_context("fork").Pool(self.workers, _set_encoder, (self.encoder,))
+        window: deque = deque()
+        for chunk_state, raw in chunks:
+            window.append((chunk_state, self._pool.apply_async(_encode, (raw,))))
+            if len(window) >= 2 * self.workers:
+                chunk_state, result = window.popleft()
+                yield chunk_state, result.get()
+        while window:
+            chunk_state, result = window.popleft()
+            yield chunk_state, result.get()
+
+    def _raw_chunks(self, readers: list, picks: Picks, state: dict) -> Iterator[tuple[dict, list]]:
+        """(state before, [(source, example number, row)]) chunks until the mixture stops."""
+        iterators = [iter(reader) for reader in readers]
+        while True:
+            before = copy.deepcopy({**state, "readers": [self._reader_state(r) for r in readers]})
+            raw, ended = [], False
+            while len(raw) < CHUNK:
+                source = picks[state["picked"]]
+                row = self._next(iterators[source], source)
+                if row is None:  # this source ran out
+                    state["done"][source] = True
+                    if self.stop == "first_exhausted" or all(state["done"]):
+                        ended = True
+                        break
+                    state["passes"][source] += 1
+                    readers[source] = self._reader(source)
+                    iterators[source] = iter(readers[source])
+                    if (row := self._next(iterators[source], source)) is None:
+                        raise UsageError(f"--dataset {self.sources[source].name} has no training examples for rank "
+                                         f"{self.rank}; give it more examples or shards, or launch fewer processes")
+                state["picked"] += 1
+                state["numbers"][source] += 1
+                raw.append((source, state["numbers"][source], row))
+            if raw:
+                yield before, raw
+            if ended:
+                return
+
+    def _reader(self, source: int, state: dict | None = None):
+        reader = self.sources[source].open()
+        if state is not None and hasattr(reader, "load_state_dict"):
+            reader.load_state_dict(state)
+        return reader
+
+    @staticmethod
+    def _reader_state(reader) -> dict | None:
+        return reader.state_dict() if hasattr(reader, "state_dict") else None
+
+    def _next(self, iterator: Iterator, source: int) -> dict | None:
+        try:
+            row = next(iterator)
+            while is_held_out(row, self.sources[source].held_out):
+                row = next(iterator)
+            return row
+        except StopIteration:
+            return None
+        except Exception as e:  # datasets raises many types for a file it cannot parse
+            raise DataReadError(f"could not read --dataset {self.sources[source].name} part-way through "
+                                f"({type(e).__name__}: {root_cause(e)}); fix or remove the damaged file, then "
+                                "resume from the last checkpoint") from None
+
+
+_worker_encoder: Encoder | None = None
+
+
+def _set_encoder(encoder: Encoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _encode(raw: list) -> list[Example | None]:
+    return _worker_encoder(raw)
