@@ -39,7 +39,7 @@ from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
 from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
-from finetune.data.stream import DataState, EpochBatches
+from finetune.data.stream import DataState, EpochBatches, StreamBatches
 from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
@@ -207,6 +207,7 @@ def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
                                  "it: resume from the dir the run was started in, or put the data back")
         if num_processes is not None:
             for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
+            StreamBatches.check_world_size(json.loads((checkpoint / PROGRESS_FILE).read_text()), num_processes)
         task = build_task(cfg)
         task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
 
@@ -396,6 +397,9 @@ class CheckpointManager:
         check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
         self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc.num_processes)
         self.method.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)
+        saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
+        for part in self.data:  # where the data was, and what it had consumed (checked before the weights load)
+            part.load_state_dict(saved)
         start = time.perf_counter()
         with self.stored.applied(), self.backend.loading_checkpoint():
             acc.load_state(str(checkpoint_dir))
@@ -409,7 +413,4 @@ class CheckpointManager:
             set_seed(seed + 1_000_003 * progress.step + acc.process_index)
             rank_warning(acc, f"no RNG state for this rank in {checkpoint_dir}; seeded from (seed, step, rank)")
         progress.world_size = acc.num_processes
-        saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
-        for part in self.data:  # where the data was, and what it had consumed
-            part.load_state_dict(saved)
         return progress

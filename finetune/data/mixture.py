@@ -87,6 +87,7 @@ class Example:
     input_ids: list[int]
     labels: list[int] | None  # None: every token is a target (text)
     source: int
+    starts: bool = True       # the first piece of a document (what the per-source example counts count)
 
 
 class Encoder:
@@ -130,7 +131,7 @@ class Encoder:
         if example is None or example.labels is not None:
             return [example]
         size = self.block_size
-        return [Example(example.input_ids[i:i + size], example.input_ids[i:i + size], example.source)
+        return [Example(example.input_ids[i:i + size], example.input_ids[i:i + size], example.source, starts=i == 0)
                 for i in range(0, len(example.input_ids), size) if len(example.input_ids[i:i + size]) > 1]
 
 
@@ -166,7 +167,7 @@ class RowBuilder:
                 self._cut_block()
             return
         labels = example.labels if example.labels is not None else list(example.input_ids)
-        piece = {"input_ids": example.input_ids, "labels": labels, "source": example.source}
+        piece = {"input_ids": example.input_ids, "labels": labels, "source": example.source, "starts": example.starts}
         if self.mode == "examples":
             self.ready.append(self._row([piece], packed=False))
             return
@@ -210,7 +211,7 @@ class RowBuilder:
         tokens, examples = [0] * self.sources, [0] * self.sources
         for piece in pieces:
             tokens[piece["source"]] += len(piece["input_ids"])
-            examples[piece["source"]] += 1
+            examples[piece["source"]] += piece["starts"]
         # In a packed block the position before an example belongs to another: its first token is no target.
         return {"input_ids": [t for p in pieces for t in p["input_ids"]],
                 "labels": [t for p in pieces for t in ([IGNORE] + p["labels"][1:] if packed else p["labels"])],

@@ -113,16 +113,21 @@ class StreamBatches:
         return {"stream_positions": gather_object([self.position])}
 
     def load_state_dict(self, state: dict) -> None:
-        positions = state.get("stream_positions")
-        world = self.accelerator.num_processes
-        if not isinstance(positions, list):
+        if not isinstance(state.get("stream_positions"), list):
             raise UsageError("the checkpoint holds no stream position (it was written by a run without --streaming); "
                              "resume it without --streaming")
-        if len(positions) != world:
+        self.check_world_size(state, self.accelerator.num_processes)
+        self.position = state["stream_positions"][self.accelerator.process_index]
+        self._rows, self._next = None, None
+
+    @staticmethod
+    def check_world_size(state: dict, world: int) -> None:
+        """A stream's position is each rank's own: it carries over to the same number of ranks only."""
+        positions = state.get("stream_positions")
+        if isinstance(positions, list) and len(positions) != world:
             raise UsageError(f"the checkpoint's stream positions are those of {len(positions)} ranks, each in its own "
                              f"part of the data, and this resume has {world}; resume with --num_processes "
-                             f"{len(positions)} (the data's order depends on the number of ranks)")
-        self.position, self._rows, self._next = positions[self.accelerator.process_index], None, None
+                             f"{len(positions)} (which rank reads which part depends on their number)")
 
     def take(self, epoch: int, count: int) -> list[dict]:
         if self._rows is None or self._epoch != epoch:

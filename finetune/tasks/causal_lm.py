@@ -150,15 +150,16 @@ class CausalLM(Task):
                 "examples": "examples"}[mode]
         stream = RowStream(sources, encoder, mode, cfg.block_size, cfg.mixture_stop, cfg.seed, rank,
                            workers=cfg.dataloader_num_workers)
+        data_format = formats[0] if len(set(formats)) == 1 else "mixture"
         if cfg.streaming:
             return TaskData(None, Dataset.from_list(validation), tokenizer,
                             f"{what}, streamed as {rows}; {len(validation)} held-out {rows}", collate=collate,
-                            data_format="mixture", stream=stream, source_names=list(cfg.sources))
+                            data_format=data_format, stream=stream, source_names=list(cfg.sources))
         train = Dataset.from_list([row for row, _ in stream.rows(0)])  # the same on every rank: the seed's draw
         stream.close()
         return TaskData(train, Dataset.from_list(validation), tokenizer,
                         f"{what}: {len(train)} train / {len(validation)} validation {rows}", collate=collate,
-                        data_format="mixture", source_names=list(cfg.sources))
+                        data_format=data_format, source_names=list(cfg.sources))
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
         self._check_block_size(model)
