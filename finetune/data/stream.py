@@ -130,28 +130,26 @@ class StreamBatches:
                              f"{len(positions)} (which rank reads which part depends on their number)")
 
     def take(self, epoch: int, count: int) -> list[dict]:
-        if self._rows is None or self._epoch != epoch:
-            self._rows, self._epoch = self.stream.rows(epoch, self.position), epoch
-            self._next = next(self._rows, None)
+        """This rank's next `count` micro-batches (fewer at the end of a pass).
+        A rank that cannot read its data stops every rank, with its reason."""
         batches: list[list[tuple[dict, dict]]] = []
-        while len(batches) < count and self._next is not None:
-            rows = []
-            while len(rows) < self.per_device_batch and self._next is not None:
-                rows.append(self._next)
-                self._next = next(self._rows, None)
-            if len(rows) == self.per_device_batch:  # a pass's last rows that do not fill a batch are dropped
-                batches.append(rows)
-        ended_here = self._next is None
+        error = ""
+        try:
+            self._read(epoch, count, batches)
+        except UsageError as e:  # a damaged file: the others must not wait for this rank in the next collective
+            error = str(e)
         # Every rank takes as many micro-batches as the one with the fewest.
-        counts = gather_object([(len(batches), ended_here)])
-        usable = min(n for n, _ in counts)
-        self.epoch_ended = usable < count or any(ended for _, ended in counts)
+        counts = gather_object([(len(batches), self._next is None, error)])
+        if errors := [message for _, _, message in counts if message]:
+            raise UsageError(errors[0])
+        usable = min(n for n, _, _ in counts)
+        self.epoch_ended = usable < count or any(ended for _, ended, _ in counts)
         if usable == 0:
-            empty = [rank for rank, (n, _) in enumerate(counts) if n == 0]
+            empty = [rank for rank, (n, _, _) in enumerate(counts) if n == 0]
             raise UsageError(f"rank(s) {', '.join(map(str, empty))} have no batch of {self.per_device_batch} rows in "
                              f"pass {epoch + 1} of the stream; give the data more examples or shards, or lower "
                              "--per_device_batch_size or the number of processes")
-        if self.epoch_ended and self.accelerator.is_main_process and (left := sum(n for n, _ in counts) - usable * len(counts)):
+        if self.epoch_ended and self.accelerator.is_main_process and (left := sum(n for n, _, _ in counts) - usable * len(counts)):
             print(f"pass {epoch + 1} of the stream ended on a rank with fewer batches: {left} micro-batch(es) the "
                   "other ranks still held of it are skipped", flush=True)
         taken = batches[:usable]
@@ -160,6 +158,19 @@ class StreamBatches:
 
     def end_epoch(self) -> None:
         self.position, self._rows, self._next = None, None, None
+
+    def _read(self, epoch: int, count: int, batches: list) -> None:
+        """Up to `count` full micro-batches of rows into `batches`, one row read ahead."""
+        if self._rows is None or self._epoch != epoch:
+            self._rows, self._epoch = self.stream.rows(epoch, self.position), epoch
+            self._next = next(self._rows, None)
+        while len(batches) < count and self._next is not None:
+            rows = []
+            while len(rows) < self.per_device_batch and self._next is not None:
+                rows.append(self._next)
+                self._next = next(self._rows, None)
+            if len(rows) == self.per_device_batch:  # a pass's last rows that do not fill a batch are dropped
+                batches.append(rows)
 
 
 class SourceTally:

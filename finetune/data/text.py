@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from datasets.distributed import split_dataset_by_node
+from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.builtin import build_stdlib_corpus, build_stdlib_preferences, build_stdlib_questions
@@ -143,7 +144,7 @@ def _strings(value) -> list[str]:
 
 # --- mixtures and streams (the rows themselves: mixture.py) ---------------------------------------
 
-STREAM_EVAL_ROWS = 1000   # held-out examples read from a stream when --max_eval_samples is 0
+STREAM_EVAL_ROWS = 200   # held-out examples read from a stream when --max_eval_samples is 0
 TOKENIZER_SAMPLE_ROWS = 2000  # examples per source a preset's tokenizer is trained on, with --streaming
 
 
@@ -151,10 +152,10 @@ TOKENIZER_SAMPLE_ROWS = 2000  # examples per source a preset's tokenizer is trai
 class LoadedSources:
     sources: list[Source]
     validation: list[list[dict]]  # each source's held-out raw rows
-    sample: Dataset               # text to train a preset's tokenizer on
+    sample: Dataset               # text to train a preset's tokenizer on (empty unless asked for)
 
 
-def load_sources(cfg, rank: int, world_size: int) -> LoadedSources:
+def load_sources(cfg, rank: int, world_size: int, tokenizer_sample: bool = False) -> LoadedSources:
     """Every --dataset source, with its format, its training rows (this rank's
     part of a stream) and its held-out rows. A stream's held-out rows are its
     validation split's first ones, else those a hash of their content holds
@@ -162,25 +163,31 @@ def load_sources(cfg, rank: int, world_size: int) -> LoadedSources:
     sources, validation, sample = [], [], []
     for name, weight in zip(cfg.sources, cfg.source_weights):
         if cfg.streaming:
-            source, held_out = _streamed_source(cfg, name, weight, rank, world_size)
+            source, held_out, every_rank = _streamed_source(cfg, name, weight, rank, world_size)
         else:
             raw, data_format = load_raw_data(name, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
                                              config=cfg.dataset_config, split=cfg.dataset_split,
                                              eval_split=cfg.eval_split, sample_by=cfg.text_sample_by)
             raw = limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples)
             source = Source(name, weight, data_format, lambda train=raw["train"]: train)
-            held_out = list(raw["validation"])
+            held_out, every_rank = list(raw["validation"]), raw["train"]
         if source.data_format == "preference":
             raise UsageError(f"--dataset {name} holds preference pairs (chosen/rejected), which a mixture does not "
                              "train on; train --method dpo on it alone")
         sources.append(source)
         validation.append(held_out)
-        sample += [text for row in itertools.islice(source.open(), TOKENIZER_SAMPLE_ROWS)
-                   for text in _strings(row)]
+        if tokenizer_sample:
+            sample += [text for row in itertools.islice(readable(every_rank, name), TOKENIZER_SAMPLE_ROWS)
+                       for text in _strings(row)]
     return LoadedSources(sources, validation, Dataset.from_dict({"text": sample}))
 
 
-def _streamed_source(cfg, name: str, weight: float, rank: int, world_size: int) -> tuple[Source, list[dict]]:
+def _streamed_source(cfg, name: str, weight: float, rank: int,
+                     world_size: int) -> tuple[Source, list[dict], IterableDataset]:
+    """The source (this rank's part), its held-out rows, and its training rows of every rank."""
+    # A file that cannot be parsed is reported in one line of ours (readable,
+    # RowStream), naming the fix; datasets' own log line would come first.
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
     builtin = _builtin_chat if cfg.data_format in SFT_FORMATS else _builtin_text
     raw = load_source(name, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files (or .gz/.zst)", cfg.dataset_config,
                       _txt_options(cfg.text_sample_by), streaming=True)
@@ -199,18 +206,23 @@ def _streamed_source(cfg, name: str, weight: float, rank: int, world_size: int) 
         (raw[split] for split in HELD_OUT_SPLITS if split in raw and split != (cfg.dataset_split or "train")), None))
     fraction = 0.0 if held_out_split is not None else cfg.validation_split
     rows = held_out_split if held_out_split is not None else (row for row in train if is_held_out(row, fraction))
-    held_out = list(itertools.islice(rows, cfg.max_eval_samples or STREAM_EVAL_ROWS))
+    held_out = list(itertools.islice(readable(rows, name), cfg.max_eval_samples or STREAM_EVAL_ROWS))
     source = Source(name, weight, data_format, lambda: split_dataset_by_node(train, rank=rank, world_size=world_size),
                     text_column=text_column, held_out=fraction)
-    return source, held_out
+    return source, held_out, train
+
+
+def readable(rows, name: str):
+    """`rows`, with a file that cannot be parsed as one line that names it."""
+    try:
+        yield from rows
+    except Exception as e:  # datasets raises many types for a file it cannot parse
+        raise UsageError(f"could not read --dataset {name} ({type(e).__name__}: {root_cause(e)}); fix or remove "
+                         "the damaged file") from None
 
 
 def _first_row(rows, name: str) -> dict:
-    try:
-        first = next(iter(rows), None)
-    except Exception as e:  # datasets raises many types for a file it cannot parse
-        raise UsageError(f"could not read --dataset {name} ({type(e).__name__}: {root_cause(e)}); check the file "
-                         "format") from None
+    first = next(readable(rows, name), None)
     if first is None:
         raise UsageError(f"--dataset {name} holds no examples; give it some rows")
     return first

@@ -94,8 +94,9 @@ class CausalLM(Task):
             self.model_source = str(main_process_first(accelerator, lambda: converted_dir(cfg.model)))
         mixed = cfg.streaming or len(cfg.sources) > 1
         if mixed:
-            loaded = main_process_first(accelerator, lambda: load_sources(cfg, accelerator.process_index,
-                                                                         accelerator.num_processes))
+            loaded = main_process_first(accelerator, lambda: load_sources(
+                cfg, accelerator.process_index, accelerator.num_processes,
+                tokenizer_sample=cfg.model in GPT2_PRESETS and accelerator.is_main_process))
             raw, data_format = DatasetDict(train=loaded.sample), "mixture"
         else:
             raw, data_format = main_process_first(accelerator, self._raw_data)
