@@ -76,7 +76,7 @@ def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: b
 
 # Recorded data options that only make sense for the run's own dataset.
 OF_THE_RUNS_DATA = ("dataset_config", "dataset_split", "eval_split", "text_column", "image_column", "label_column",
-                    "max_eval_samples")
+                    "max_eval_samples", "dataset_weights", "mixture_stop", "streaming")
 
 
 def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_out: bool = False,

@@ -19,6 +19,7 @@ exactly where it was, whatever the number of encoding workers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -27,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat import IGNORE, ChatEncoder
+from finetune.data.chat import IGNORE, ChatEncoder, PadCollator, load_chat_template, pad_id, stack_rows
 from finetune.data.sources import root_cause
 from finetune.errors import UsageError
 
@@ -320,13 +322,15 @@ class RowStream:
 
     def _reader(self, source: int, state: dict | None = None):
         reader = self.sources[source].open()
-        if state is not None and hasattr(reader, "load_state_dict"):
+        if not hasattr(reader, "state_dict"):  # rows in memory (a map-style split)
+            reader = IndexedRows(reader)
+        if state is not None:
             reader.load_state_dict(state)
         return reader
 
     @staticmethod
-    def _reader_state(reader) -> dict | None:
-        return reader.state_dict() if hasattr(reader, "state_dict") else None
+    def _reader_state(reader) -> dict:
+        return reader.state_dict()
 
     def _next(self, iterator: Iterator, source: int) -> dict | None:
         try:
@@ -342,6 +346,24 @@ class RowStream:
                                 "resume from the last checkpoint") from None
 
 
+class IndexedRows:
+    """Rows in memory, read in order, with the position an IterableDataset has."""
+
+    def __init__(self, rows):
+        self.rows, self.index = rows, 0
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
+    def __iter__(self) -> Iterator[dict]:
+        while self.index < len(self.rows):
+            self.index += 1
+            yield self.rows[self.index - 1]
+
+
 _worker_encoder: Encoder | None = None
 
 
@@ -352,3 +374,37 @@ def _set_encoder(encoder: Encoder) -> None:
 
 def _encode(raw: list) -> list[Example | None]:
     return _worker_encoder(raw)
+
+
+class MixedRows:
+    """The rows of a run's sources (text.load_sources), built one way for
+    training and evaluation: the row mode, the encoder and the collate."""
+
+    def __init__(self, loaded, tokenizer: PreTrainedTokenizerBase, cfg):
+        self.loaded, self.cfg = loaded, cfg
+        self.formats = [source.data_format for source in loaded.sources]
+        for data_format in dict.fromkeys(f for f in self.formats if f != "text"):
+            load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
+        self.mode = row_mode(self.formats, cfg.packing)
+        self.encoder = Encoder(tokenizer, loaded.sources, cfg.block_size, cfg.train_on_prompt, cfg.long_examples,
+                               pieces=self.mode != "blocks")
+        self.collate = stack_rows if self.mode == "blocks" else PadCollator(pad_id(tokenizer))
+        self.data_format = self.formats[0] if len(set(self.formats)) == 1 else "mixture"
+
+    def stream(self, rank: int, workers: int = 0) -> RowStream:
+        return RowStream(self.loaded.sources, self.encoder, self.mode, self.cfg.block_size, self.cfg.mixture_stop,
+                         self.cfg.seed, rank, workers)
+
+    def held_out(self) -> Dataset:
+        """Every source's held-out rows, built source by source (a block holds one source's text)."""
+        sources, rows = self.loaded.sources, []
+        for i, held_out in enumerate(self.loaded.validation):
+            alone = [dataclasses.replace(source, weight=float(j == i), open=lambda held_out=held_out: held_out,
+                                         held_out=0.0) for j, source in enumerate(sources)]
+            stream = RowStream(alone, self.encoder, self.mode, self.cfg.block_size, "first_exhausted", self.cfg.seed,
+                               rank=0)
+            rows += [row for row, _ in stream.rows(0)]
+        if not rows:
+            raise UsageError(f"no held-out row is left of {', '.join(s.name for s in sources)} after fitting to "
+                             f"--block_size {self.cfg.block_size}; add held-out examples or lower --block_size")
+        return Dataset.from_list(rows)

@@ -205,7 +205,10 @@ def _streamed_source(cfg, name: str, weight: float, rank: int,
     held_out_split = (named_split(raw, cfg.eval_split, "--eval_split") if cfg.eval_split else next(
         (raw[split] for split in HELD_OUT_SPLITS if split in raw and split != (cfg.dataset_split or "train")), None))
     fraction = 0.0 if held_out_split is not None else cfg.validation_split
-    rows = held_out_split if held_out_split is not None else (row for row in train if is_held_out(row, fraction))
+    if held_out_split is not None:
+        rows = held_out_split
+    else:  # a fraction of 0 (`finetune evaluate` scoring the split itself): its first rows
+        rows = (row for row in train if fraction == 0 or is_held_out(row, fraction))
     held_out = list(itertools.islice(readable(rows, name), cfg.max_eval_samples or STREAM_EVAL_ROWS))
     source = Source(name, weight, data_format, lambda: split_dataset_by_node(train, rank=rank, world_size=world_size),
                     text_column=text_column, held_out=fraction)

@@ -4,7 +4,6 @@ cross-entropy on the targets, perplexity."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -16,8 +15,8 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
 from finetune.models.gguf import converted_dir, is_gguf
-from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id, stack_rows
-from finetune.data.mixture import Encoder, RowStream, row_mode
+from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
+from finetune.data.mixture import MixedRows
 from finetune.data.sources import limit_samples
 from finetune.data.text import LoadedSources, load_raw_data, load_sources, tokenize_and_group
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
@@ -124,46 +123,39 @@ class CausalLM(Task):
 
     def _mixed_data(self, loaded: LoadedSources, tokenizer: PreTrainedTokenizerBase, rank: int) -> TaskData:
         """A stream's or a mixture's rows (mixture.py): held-out rows built
-        source by source, training rows drawn from all of them by weight; a
-        mixture without --streaming is drawn once, in full, and then shuffled
-        each epoch like any map-style data."""
+        source by source, training rows drawn from all of them by weight. A
+        stream reads this rank's part as training goes; a mixture without
+        --streaming is drawn once, in full (the same on every rank), and then
+        shuffled each epoch like any map-style data."""
         cfg, sources = self.cfg, loaded.sources
-        formats = [source.data_format for source in sources]
-        for data_format in dict.fromkeys(f for f in formats if f != "text"):
-            load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
-        mode = row_mode(formats, cfg.packing)
-        encoder = Encoder(tokenizer, sources, cfg.block_size, cfg.train_on_prompt, cfg.long_examples,
-                          pieces=mode != "blocks")
-        validation = []
-        for i, (source, rows) in enumerate(zip(sources, loaded.validation)):
-            alone = [dataclasses.replace(s, weight=float(j == i), open=lambda rows=rows: rows, held_out=0.0)
-                     for j, s in enumerate(sources)]
-            validation += [row for row, _ in RowStream(alone, encoder, mode, cfg.block_size, "first_exhausted",
-                                                       cfg.seed, rank=0).rows(0)]
-        if not validation:
-            raise UsageError(f"no held-out row is left of {', '.join(cfg.sources)} after fitting to --block_size "
-                             f"{cfg.block_size}; add held-out examples or lower --block_size")
-        collate = stack_rows if mode == "blocks" else PadCollator(pad_id(tokenizer))
+        rows = MixedRows(loaded, tokenizer, cfg)
+        validation = rows.held_out()
         weights = " ".join(f"{s.weight:.3g}" for s in sources)
-        what = (f"{len(sources)} sources ({', '.join(formats)}) drawn with weights {weights} until "
-                f"{cfg.mixture_stop.replace('_', ' ')}" if len(sources) > 1 else f"{formats[0]} data")
-        rows = {"blocks": f"blocks of {cfg.block_size}", "packed": f"packed blocks of {cfg.block_size}",
-                "examples": "examples"}[mode]
-        stream = RowStream(sources, encoder, mode, cfg.block_size, cfg.mixture_stop, cfg.seed, rank,
-                           workers=cfg.dataloader_num_workers)
-        data_format = formats[0] if len(set(formats)) == 1 else "mixture"
+        what = (f"{len(sources)} sources ({', '.join(rows.formats)}) drawn with weights {weights} until "
+                f"{cfg.mixture_stop.replace('_', ' ')}" if len(sources) > 1 else f"{rows.formats[0]} data")
+        unit = {"blocks": f"blocks of {cfg.block_size}", "packed": f"packed blocks of {cfg.block_size}",
+                "examples": "examples"}[rows.mode]
+        data = TaskData(None, validation, tokenizer, "", collate=rows.collate, data_format=rows.data_format,
+                        source_names=list(cfg.sources))
         if cfg.streaming:
-            return TaskData(None, Dataset.from_list(validation), tokenizer,
-                            f"{what}, streamed as {rows}; {len(validation)} held-out {rows}", collate=collate,
-                            data_format=data_format, stream=stream, source_names=list(cfg.sources))
-        train = Dataset.from_list([row for row, _ in stream.rows(0)])  # the same on every rank: the seed's draw
+            data.stream = rows.stream(rank, workers=cfg.dataloader_num_workers)
+            data.description = f"{what}, streamed as {unit}; {len(validation)} held-out {unit}"
+            return data
+        stream = rows.stream(rank=0, workers=cfg.dataloader_num_workers)
+        data.train = Dataset.from_list([row for row, _ in stream.rows(0)])
         stream.close()
-        return TaskData(train, Dataset.from_list(validation), tokenizer,
-                        f"{what}: {len(train)} train / {len(validation)} validation {rows}", collate=collate,
-                        data_format=data_format, source_names=list(cfg.sources))
+        if len(data.train) == 0:
+            raise UsageError(f"no training row is left of {', '.join(cfg.sources)} after fitting to --block_size "
+                             f"{cfg.block_size}; add examples or lower --block_size")
+        data.description = f"{what}: {len(data.train)} train / {len(validation)} validation {unit}"
+        return data
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
         self._check_block_size(model)
+        if self.cfg.streaming or len(self.cfg.sources) > 1:
+            loaded = load_sources(self.cfg, rank=0, world_size=1)
+            rows = MixedRows(loaded, tokenizer, self.cfg)
+            return Scored(rows.held_out(), rows.collate, sum(len(held) for held in loaded.validation))
         raw, data_format = self._raw_data()
         rows = self._splits(DatasetDict(validation=raw["validation"]), data_format, tokenizer)[0]["validation"]
         return Scored(rows, self._collate(data_format, tokenizer), len(raw["validation"]))
