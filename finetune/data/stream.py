@@ -101,7 +101,7 @@ class StreamBatches:
         self.position: dict | None = None           # after the last row taken (None: the start of the pass)
         self.positions: list | None = None          # every rank's, when a resume loaded them
         self._rows: Iterator[tuple[dict, dict]] | None = None
-        self._next: tuple[dict, dict] | None = None  # one row read ahead, to know a pass ended with its last batch
+        self._ahead: list[tuple[dict, dict]] | None = None  # the next micro-batch, read ahead to see a pass end
         self._epoch: int | None = None
         self.epoch_ended = False
 
@@ -118,7 +118,7 @@ class StreamBatches:
                              "resume it without --streaming")
         self.check_world_size(state, self.accelerator.num_processes)
         self.position = state["stream_positions"][self.accelerator.process_index]
-        self._rows, self._next = None, None
+        self._rows, self._ahead = None, None
 
     @staticmethod
     def check_world_size(state: dict, world: int) -> None:
@@ -139,7 +139,7 @@ class StreamBatches:
         except UsageError as e:  # a damaged file: the others must not wait for this rank in the next collective
             error = str(e)
         # Every rank takes as many micro-batches as the one with the fewest.
-        counts = gather_object([(len(batches), self._next is None, error)])
+        counts = gather_object([(len(batches), self._ahead is None, error)])
         if errors := [message for _, _, message in counts if message]:
             raise UsageError(errors[0])
         usable = min(n for n, _, _ in counts)
@@ -157,20 +157,22 @@ class StreamBatches:
         return [self.collate([row for row, _ in rows]) for rows in taken]
 
     def end_epoch(self) -> None:
-        self.position, self._rows, self._next = None, None, None
+        self.position, self._rows, self._ahead = None, None, None
 
     def _read(self, epoch: int, count: int, batches: list) -> None:
-        """Up to `count` full micro-batches of rows into `batches`, one row read ahead."""
+        """Up to `count` micro-batches of rows into `batches`, the next one read
+        ahead (a pass ends with the last full micro-batch)."""
         if self._rows is None or self._epoch != epoch:
             self._rows, self._epoch = self.stream.rows(epoch, self.position), epoch
-            self._next = next(self._rows, None)
-        while len(batches) < count and self._next is not None:
-            rows = []
-            while len(rows) < self.per_device_batch and self._next is not None:
-                rows.append(self._next)
-                self._next = next(self._rows, None)
-            if len(rows) == self.per_device_batch:  # a pass's last rows that do not fill a batch are dropped
-                batches.append(rows)
+            self._ahead = self._full_batch()
+        while len(batches) < count and self._ahead is not None:
+            batches.append(self._ahead)
+            self._ahead = self._full_batch()
+
+    def _full_batch(self) -> list[tuple[dict, dict]] | None:
+        """The next micro-batch's rows; None when the pass has too few left (they are dropped)."""
+        rows = list(itertools.islice(self._rows, self.per_device_batch))
+        return rows if len(rows) == self.per_device_batch else None
 
 
 class SourceTally:
