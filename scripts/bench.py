@@ -9,6 +9,7 @@ markdown table and JSON.
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
     python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]   # QLoRA too on a GPU
     python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
+    python scripts/bench.py --suite data [--model tiny-gpt2] [--data_workers 2]   # the stream against training
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -53,6 +54,13 @@ On a GPU machine the same commands run on the GPUs: the matmul
 peak is measured on one GPU (8192 x 8192), MFU is per GPU, the configs suite
 keeps the configs it has enough GPUs for, and the Trainer runs on the GPU.
 
+Suite `data`: the stream's data pipeline against training's consumption.
+2-process FSDP trains with `--streaming` on the built-in corpus five times
+over, in 4 .jsonl.gz shards; then one rank's pipeline (reading its shards,
+tokenizing, cutting blocks) runs alone, in the process and with
+`--data_workers` encoding workers. Reported: tokens/s of each, per rank, and
+the pipeline's multiple of what training consumes (the target: at least 1x).
+
 Suite `packing`: instruction tuning on the built-in questions (`--data_format
 chat`, a plain role-prefixed chat template written for the preset's tokenizer),
 2-process FSDP, the same model, examples and batch: packed blocks against one
@@ -87,6 +95,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import importlib.util
 import json
 import math
@@ -534,6 +543,74 @@ def suite_packing(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def stream_corpus(root: Path, shards: int = 4, copies: int = 5) -> Path:
+    """The built-in corpus `copies` times over, as `shards` .jsonl.gz files."""
+    from finetune.data.builtin import build_stdlib_corpus
+
+    lines = build_stdlib_corpus().read_text().splitlines(keepends=True) * copies
+    folder = root / "corpus"
+    folder.mkdir()
+    per = -(-len(lines) // shards)
+    for shard in range(shards):
+        with gzip.open(folder / f"train-{shard:05d}.jsonl.gz", "wt") as f:
+            f.writelines(lines[shard * per:(shard + 1) * per])
+    return folder
+
+
+def pipeline_tokens_per_sec(args, corpus: Path, tokenizer_dir: Path, workers: int, tokens: int) -> float:
+    """What rank 0 of 2 reads, tokenizes and cuts into blocks, alone in this
+    process: tokens/s over the first `tokens` (or the pass)."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import load_config
+    from finetune.data.mixture import MixedRows
+    from finetune.data.text import load_sources
+
+    cfg = load_config(None, {"model": args.model, "dataset": str(corpus), "streaming": True, "max_steps": 1,
+                             "block_size": args.block_size, "max_eval_samples": 1}).resolved()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+    loaded = load_sources(cfg, rank=0, world_size=2)
+    stream = MixedRows(loaded, tokenizer, cfg).stream(rank=0, workers=workers)
+    start, count = time.perf_counter(), 0
+    for row, _ in stream.rows(0):
+        count += len(row["input_ids"])
+        if count >= tokens:
+            break
+    seconds = time.perf_counter() - start
+    stream.close()
+    return count / seconds
+
+
+def suite_data(args) -> tuple[list[dict], str]:
+    """The stream's data pipeline against what training consumes: 2-process
+    FSDP with --streaming on a sharded .jsonl.gz corpus, then, alone, the
+    pipeline of one of those ranks (tokens read, tokenized and cut into blocks
+    per second, in the process and with encoding workers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = stream_corpus(Path(tmp))
+        run_dir = Path(tmp) / "train"
+        print(f"[bench] training {args.model} on the stream, fsdp.yaml, 2 processes", flush=True)
+        launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), "--dataset", str(corpus), "--streaming"],
+               args.mixed_precision)
+        trained = measure(run_dir)
+        # The tokenizer the run used: a preset's own, saved in its run dir; else the model's.
+        tokenizer_dir = run_dir / "tokenizer" if (run_dir / "tokenizer").is_dir() else Path(model_source(args.model))
+        consumed = trained["tokens_per_sec"] / trained["world_size"]
+        results = [{"case": "training, per rank", "tokens_per_sec": consumed, "vs_training": 1.0}]
+        for workers in (0, args.data_workers):
+            print(f"[bench] the data pipeline of one rank, {workers} encoding worker(s)", flush=True)
+            rate = pipeline_tokens_per_sec(args, corpus, tokenizer_dir, workers, tokens=args.data_tokens)
+            results.append({"case": f"data pipeline, {workers} worker(s)", "tokens_per_sec": rate,
+                            "vs_training": rate / consumed})
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} blocks of {args.block_size} tokens, fsdp.yaml, "
+             f"{args.mixed_precision}; the stream: the built-in corpus x5 in 4 .jsonl.gz shards", "",
+             "| case | tokens/s | vs training |", "| --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['tokens_per_sec']:,.0f} | {r['vs_training']:.1f}x |" for r in results]
+    slowest = min(r["vs_training"] for r in results[1:])
+    lines += ["", target_line("data pipeline vs training (tokens/s, per rank)", slowest, 1.0, higher_is_better=True)]
+    return results, "\n".join(lines)
+
+
 def suite_loss(args) -> tuple[list[dict], str]:
     """Full logits against the chunked loss (and, with --baseline_ref, that
     commit as it was), 1 process, profiled after 2 warm-up steps."""
@@ -760,7 +837,8 @@ def suite_startup(args) -> tuple[list[dict], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo"], default=None,
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data"],
+                        default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
     parser.add_argument("--trainer_bf16", action="store_true", help="also time the Trainer in bf16")
@@ -779,13 +857,15 @@ def main() -> None:
     parser.add_argument("--baseline_ref", default="",
                         help="startup, loss and configs: also run a git worktree of this commit (before and after)")
     parser.add_argument("--lora_r", type=int, default=16, help="lora: the adapters' rank")
+    parser.add_argument("--data_workers", type=int, default=2, help="data: the pipeline's encoding workers")
+    parser.add_argument("--data_tokens", type=int, default=2_000_000, help="data: tokens the pipeline is timed over")
     parser.add_argument("--only", default="",
                         help="run only the configs suite's cases whose config contains this (or one of these, comma-separated)")
     args = parser.parse_args()
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora, "dpo": suite_dpo}
+              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
