@@ -328,6 +328,10 @@ def _add_estimate_memory(sub) -> None:
                         help="compute dtype (default: the accelerate config's, else bf16)")
     memory.add_argument("--max_shard_size", type=byte_size, default=TrainConfig().max_shard_size,
                         help=f"as for train: the final model's largest file (default: {TrainConfig().max_shard_size})")
+    memory.add_argument("--streaming", action="store_true",
+                        help="as for train: say what a streamed run's data holds in host RAM (default: False)")
+    memory.add_argument("--dataloader_num_workers", type=non_negative_int, default=0,
+                        help="as for train: encoding workers beside each rank of a stream (default: 0)")
     memory.add_argument("--device_memory", type=byte_size, default=None, metavar="BYTES|NGB|NGiB",
                         help="say which strategies fit in this much memory per device (default: None)")
     memory.set_defaults(func=cmd_estimate_memory, subparser=memory)
@@ -495,8 +499,8 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from finetune.memory import (estimate, host_ram, model_shape, planned_meshes, read_launch_config, render,
-                                 render_traffic)
+    from finetune.memory import (data_ram_line, estimate, host_ram, model_shape, planned_meshes, read_launch_config,
+                                 render, render_traffic)
 
     launch = read_launch_config(args.accelerate_config)
     num_processes = args.num_processes or launch.num_processes
@@ -522,6 +526,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
+    print("\n" + data_ram_line(args.streaming, args.dataloader_num_workers, args.block_size))
     if num_machines > 1 or meshes:
         sequences = args.per_device_batch_size * (2 if args.method != "sft" else 1)  # a pair's two sequences
         print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory,

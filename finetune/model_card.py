@@ -32,6 +32,21 @@ def is_hub_id(name: str) -> bool:
     return bool(HUB_ID.match(name)) and not Path(name).exists()
 
 
+def sources(cfg: dict) -> list[str]:
+    """A run's --dataset: one source, or a mixture's."""
+    dataset = cfg.get("dataset") or []
+    return [str(d) for d in dataset] if isinstance(dataset, list) else [str(dataset)]
+
+
+def data_line(cfg: dict) -> str:
+    """The data, and a mixture's weights and a stream, for the card's table."""
+    names = sources(cfg)
+    weights = cfg.get("dataset_weights") or [1.0] * len(names)
+    line = (" + ".join(f"`{n}` ({w / sum(weights):.0%})" for n, w in zip(names, weights)) if len(names) > 1
+            else f"`{names[0]}`")
+    return line + (", streamed" if cfg.get("streaming") else "")
+
+
 def base_license(model: str) -> str | None:
     """The license a local base states: its card's header, or a GGUF file's metadata."""
     path = Path(model)
@@ -108,7 +123,7 @@ def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[t
         rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(cfg.get("method", "sft"),
                                                                                   str(cfg.get("method", "")).upper())),
                 ("Fine-tuning", fine_tuning_line(cfg, adapters_only)),
-                ("Data", f"`{cfg.get('dataset')}`" + (f" ({data_format})" if data_format not in (None, "auto") else "")
+                ("Data", data_line(cfg) + (f" ({data_format})" if data_format not in (None, "auto") else "")
                          + f", blocks of {cfg.get('block_size')} tokens, "
                          + f"packing {'on' if cfg.get('packing') else 'off'}")]
         if steps:
@@ -202,8 +217,8 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
               + ([str(cfg["peft"])] if cfg.get("peft", "none") != "none" else [])}
     if base and is_hub_id(base):
         header["base_model"] = base
-    if (dataset := str(cfg.get("dataset", ""))) and is_hub_id(dataset):
-        header["datasets"] = [dataset]
+    if hub_datasets := [d for d in sources(cfg) if is_hub_id(d)]:
+        header["datasets"] = hub_datasets
     if base and (license_name := base_license(base)):
         header["license"] = license_name
 

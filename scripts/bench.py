@@ -55,11 +55,14 @@ peak is measured on one GPU (8192 x 8192), MFU is per GPU, the configs suite
 keeps the configs it has enough GPUs for, and the Trainer runs on the GPU.
 
 Suite `data`: the stream's data pipeline against training's consumption.
-2-process FSDP trains with `--streaming` on the built-in corpus five times
-over, in 4 .jsonl.gz shards; then one rank's pipeline (reading its shards,
-tokenizing, cutting blocks) runs alone, in the process and with
-`--data_workers` encoding workers. Reported: tokens/s of each, per rank, and
-the pipeline's multiple of what training consumes (the target: at least 1x).
+2-process FSDP trains on the built-in corpus five times over, in 4 .jsonl.gz
+shards, with `--streaming` and without; then one streamed rank's pipeline
+(reading its shards, tokenizing, cutting blocks) runs alone: in the process,
+with `--data_workers` encoding workers, and on 3 shards (which 2 ranks do not
+divide). Reported: tokens/s per rank and the pipeline's multiple of what
+streamed training consumes (the target: at least 1x), each run's peak resident
+set per rank, and the memory the pipeline holds (unique set size, its process's
+rise and each worker's).
 
 Suite `packing`: instruction tuning on the built-in questions (`--data_format
 chat`, a plain role-prefixed chat template written for the preset's tokenizer),
@@ -543,12 +546,12 @@ def suite_packing(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
-def stream_corpus(root: Path, shards: int = 4, copies: int = 5) -> Path:
+def stream_corpus(root: Path, name: str, shards: int, copies: int = 5) -> Path:
     """The built-in corpus `copies` times over, as `shards` .jsonl.gz files."""
     from finetune.data.builtin import build_stdlib_corpus
 
     lines = build_stdlib_corpus().read_text().splitlines(keepends=True) * copies
-    folder = root / "corpus"
+    folder = root / name
     folder.mkdir()
     per = -(-len(lines) // shards)
     for shard in range(shards):
@@ -557,9 +560,11 @@ def stream_corpus(root: Path, shards: int = 4, copies: int = 5) -> Path:
     return folder
 
 
-def pipeline_tokens_per_sec(args, corpus: Path, tokenizer_dir: Path, workers: int, tokens: int) -> float:
+def pipeline_rate(args, corpus: Path, tokenizer_dir: Path, workers: int) -> dict:
     """What rank 0 of 2 reads, tokenizes and cuts into blocks, alone in this
-    process: tokens/s over the first `tokens` (or the pass)."""
+    process: tokens/s over the first --data_tokens (or the pass), and the
+    memory it holds (unique set: above this process's, and in each worker)."""
+    import psutil
     from transformers import AutoTokenizer
 
     from finetune.config import load_config
@@ -571,42 +576,59 @@ def pipeline_tokens_per_sec(args, corpus: Path, tokenizer_dir: Path, workers: in
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     loaded = load_sources(cfg, rank=0, world_size=2)
     stream = MixedRows(loaded, tokenizer, cfg).stream(rank=0, workers=workers)
+    process = psutil.Process()
+    before, held, in_workers = process.memory_full_info().uss, 0, []
     start, count = time.perf_counter(), 0
-    for row, _ in stream.rows(0):
+    for rows, (row, _) in enumerate(stream.rows(0), 1):
         count += len(row["input_ids"])
-        if count >= tokens:
+        if rows % 1000 == 0:
+            held = max(held, process.memory_full_info().uss - before)
+            in_workers = [child.memory_full_info().uss for child in process.children()]
+        if count >= args.data_tokens:
             break
     seconds = time.perf_counter() - start
     stream.close()
-    return count / seconds
+    return {"tokens_per_sec": count / seconds, "held_bytes": held, "worker_bytes": in_workers}
 
 
 def suite_data(args) -> tuple[list[dict], str]:
-    """The stream's data pipeline against what training consumes: 2-process
-    FSDP with --streaming on a sharded .jsonl.gz corpus, then, alone, the
-    pipeline of one of those ranks (tokens read, tokenized and cut into blocks
-    per second, in the process and with encoding workers)."""
+    """The stream's data pipeline against what training consumes, on the same
+    corpus: 2-process FSDP with --streaming and without, then the pipeline of
+    one of the streamed ranks alone, with 4 shards (2 per rank) and with 3
+    (which 2 ranks do not divide: each reads all 3 and keeps every other example)."""
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = stream_corpus(Path(tmp))
-        run_dir = Path(tmp) / "train"
-        print(f"[bench] training {args.model} on the stream, fsdp.yaml, 2 processes", flush=True)
-        launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), "--dataset", str(corpus), "--streaming"],
-               args.mixed_precision)
-        trained = measure(run_dir)
-        # The tokenizer the run used: a preset's own, saved in its run dir; else the model's.
+        corpus = stream_corpus(Path(tmp), "four", shards=4)
+        trained = {}
+        for streaming in (True, False):
+            run_dir = Path(tmp) / ("streamed" if streaming else "map-style")
+            print(f"[bench] training {args.model}, {run_dir.name}, fsdp.yaml, 2 processes", flush=True)
+            launch("fsdp.yaml", 2, [*train_args(args, run_dir, args.batch), "--dataset", str(corpus),
+                                    *(["--streaming"] if streaming else [])], args.mixed_precision)
+            trained[run_dir.name] = measure(run_dir)
+        # The tokenizer the runs used: a preset's own, saved in its run dir; else the model's.
+        run_dir = Path(tmp) / "streamed"
         tokenizer_dir = run_dir / "tokenizer" if (run_dir / "tokenizer").is_dir() else Path(model_source(args.model))
-        consumed = trained["tokens_per_sec"] / trained["world_size"]
-        results = [{"case": "training, per rank", "tokens_per_sec": consumed, "vs_training": 1.0}]
-        for workers in (0, args.data_workers):
-            print(f"[bench] the data pipeline of one rank, {workers} encoding worker(s)", flush=True)
-            rate = pipeline_tokens_per_sec(args, corpus, tokenizer_dir, workers, tokens=args.data_tokens)
-            results.append({"case": f"data pipeline, {workers} worker(s)", "tokens_per_sec": rate,
-                            "vs_training": rate / consumed})
+        consumed = trained["streamed"]["tokens_per_sec"] / 2
+        results = [{"case": f"training, {name}, per rank", "tokens_per_sec": result["tokens_per_sec"] / 2,
+                    "vs_training": result["tokens_per_sec"] / 2 / consumed,
+                    "peak_memory_bytes_per_rank": result["peak_memory_bytes_per_rank"]}
+                   for name, result in trained.items()]
+        three = stream_corpus(Path(tmp), "three", shards=3)
+        for shards, workers in ((corpus, 0), (corpus, args.data_workers), (three, 0)):
+            case = f"data pipeline, {shards.name} shards over 2 ranks, {workers} worker(s)"
+            print(f"[bench] {case}", flush=True)
+            rate = pipeline_rate(args, shards, tokenizer_dir, workers)
+            results.append({"case": case, **rate, "vs_training": rate["tokens_per_sec"] / consumed})
     lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} blocks of {args.block_size} tokens, fsdp.yaml, "
-             f"{args.mixed_precision}; the stream: the built-in corpus x5 in 4 .jsonl.gz shards", "",
-             "| case | tokens/s | vs training |", "| --- | --- | --- |"]
-    lines += [f"| {r['case']} | {r['tokens_per_sec']:,.0f} | {r['vs_training']:.1f}x |" for r in results]
-    slowest = min(r["vs_training"] for r in results[1:])
+             f"{args.mixed_precision}; the corpus: the built-in one x5 in .jsonl.gz shards", "",
+             "| case | tokens/s | vs streamed training | peak RSS per rank (bytes) | data held (bytes, USS) |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        peak = ", ".join(f"{b:,}" for b in r.get("peak_memory_bytes_per_rank", [])) or "-"
+        held = (f"{r['held_bytes']:,}" + "".join(f" + worker {b:,}" for b in r["worker_bytes"])
+                if "held_bytes" in r else "-")
+        lines.append(f"| {r['case']} | {r['tokens_per_sec']:,.0f} | {r['vs_training']:.1f}x | {peak} | {held} |")
+    slowest = min(r["vs_training"] for r in results if "held_bytes" in r)
     lines += ["", target_line("data pipeline vs training (tokens/s, per rank)", slowest, 1.0, higher_is_better=True)]
     return results, "\n".join(lines)
 

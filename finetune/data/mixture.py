@@ -236,36 +236,36 @@ class RowStream:
     def __init__(self, sources: list[Source], encoder: Encoder, mode: str, block_size: int, stop: str, seed: int,
                  rank: int, workers: int = 0):
         self.sources, self.encoder, self.stop, self.seed, self.rank = sources, encoder, stop, seed, rank
-        self.builder = RowBuilder(mode, block_size, len(sources))
+        self.mode, self.block_size = mode, block_size
         self.workers = workers
         self._pool = None
 
     def rows(self, data_pass: int, position: dict | None = None) -> Iterator[tuple[dict, dict]]:
         """(row, position after it) until the pass ends; from `position` when given."""
+        builder = RowBuilder(self.mode, self.block_size, len(self.sources))
         readers = [self._reader(i) for i in range(len(self.sources))]
-        picks = Picks([s.weight for s in self.sources], self.seed, self.rank, data_pass)
-        state = {"picked": 0, "passes": [0] * len(self.sources), "done": [False] * len(self.sources),
-                 "numbers": [0] * len(self.sources), "readers": [None] * len(self.sources)}
+        state = {"picked": 0, "done": [False] * len(self.sources), "numbers": [0] * len(self.sources),
+                 "readers": [None] * len(self.sources)}
         skip = 0
-        self.builder = RowBuilder(self.builder.mode, self.builder.block_size, len(self.sources))
-        if position is not None:
+        if position is not None:  # read the chunk in use again, skip what was used, refill the builder
             state = copy.deepcopy(position["chunk"])
-            for i, reader_state in enumerate(state["readers"]):
-                readers[i] = self._reader(i, reader_state)
+            readers = [self._reader(i, reader_state) for i, reader_state in enumerate(state["readers"])]
             skip = position["used"]
-            self.builder.load_state_dict(position["builder"])
-            while (row := self.builder.pop()) is not None:
-                yield row, {**position, "builder": self.builder.state_dict()}
+            builder.load_state_dict(position["builder"])
+            while (row := builder.pop()) is not None:
+                yield row, {**position, "builder": builder.state_dict()}
+        chunk_state, examples = state, []
+        picks = Picks([s.weight for s in self.sources], self.seed, self.rank, data_pass)
         for chunk_state, examples in self._encoded_chunks(readers, picks, state):
             for used in range(skip, len(examples)):
                 if examples[used] is not None:
-                    self.builder.add(examples[used])
-                while (row := self.builder.pop()) is not None:
-                    yield row, {"chunk": chunk_state, "used": used + 1, "builder": self.builder.state_dict()}
+                    builder.add(examples[used])
+                while (row := builder.pop()) is not None:
+                    yield row, {"chunk": chunk_state, "used": used + 1, "builder": builder.state_dict()}
             skip = 0
-        self.builder.end_of_pass()
-        while (row := self.builder.pop()) is not None:
-            yield row, {"chunk": chunk_state, "used": len(examples), "builder": self.builder.state_dict()}
+        builder.end_of_pass()
+        while (row := builder.pop()) is not None:
+            yield row, {"chunk": chunk_state, "used": len(examples), "builder": builder.state_dict()}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -306,7 +306,6 @@ class RowStream:
                     if self.stop == "first_exhausted" or all(state["done"]):
                         ended = True
                         break
-                    state["passes"][source] += 1
                     readers[source] = self._reader(source)
                     iterators[source] = iter(readers[source])
                     if (row := self._next(iterators[source], source)) is None:

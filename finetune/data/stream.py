@@ -192,10 +192,11 @@ class SourceTally:
             if "source_tokens" in batch:
                 examples = [a + b for a, b in zip(examples, batch.pop("source_examples").sum(0).tolist())]
                 tokens = [a + b for a, b in zip(tokens, batch.pop("source_tokens").sum(0).tolist())]
-            else:
-                mask = batch.get("attention_mask")
-                examples[0] += len(batch["input_ids"])
-                tokens[0] += float(mask.sum() if mask is not None else batch["input_ids"].numel())
+            else:  # one source: rows (images, blocks, examples) and their real tokens
+                examples[0] += len(next(iter(batch.values())))
+                if "input_ids" in batch:
+                    mask = batch.get("attention_mask")
+                    tokens[0] += float(mask.sum() if mask is not None else batch["input_ids"].numel())
         return examples + tokens
 
     def add(self, counts: list[float]) -> None:
