@@ -321,11 +321,13 @@ def render_traffic(shape: ModelShape, estimates: list[Estimate], num_processes: 
                                    f"{traffic.collectives_across:,} collectives."])
 
 
-# Measured on this project's stream (USS, a 4-shard .jsonl.gz corpus of 400,000
-# documents, tiny-gpt2's tokenizer): what a rank's stream holds above its
-# process, and what each encoding worker (--dataloader_num_workers) holds of its own.
+# Measured (unique set size; scripts/bench.py --suite data, and a 4-shard
+# .jsonl.gz corpus of 400,000 documents of 20 to 200 words): what a rank's stream
+# holds above its process (21 to 33 MB), and what each encoding worker
+# (--dataloader_num_workers) holds of its own (17 MB with a preset's tokenizer,
+# 33 MB with SmolLM2's 49,152-token one).
 STREAM_READER_BYTES = 32 * 2**20
-ENCODING_WORKER_BYTES = 17 * 2**20
+ENCODING_WORKER_BYTES = 32 * 2**20
 
 
 def data_ram_line(streaming: bool, workers: int, block_size: int) -> str:

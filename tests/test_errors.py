@@ -145,6 +145,11 @@ CASES = {
     "missing data": (lambda t: ["--dataset", str(t / "no_such_file.txt")], "does not exist"),
     "empty data": (lambda t: ["--dataset", str(_empty_file(t))], "is empty"),
     "unreadable data": (lambda t: ["--dataset", str(_bad_parquet(t))], "could not read"),
+    "mixture weights that do not match the sources": (
+        lambda t: ["--dataset", "builtin", "builtin", "--dataset_weights", "1"], "1 weight(s) for 2 --dataset source(s)"),
+    "a stream without --max_steps": (lambda t: ["--streaming", "--max_steps", "0", "--num_epochs", "1"],
+                                     "--streaming needs --max_steps"),
+    "a data glob that matches nothing": (lambda t: ["--dataset", str(t / "shard-*.jsonl")], "matches no file"),
     "missing text column": (lambda t: ["--dataset", str(_jsonl_with_body(t))], "has no column 'text'"),
     "missing label column": (lambda t: ["--task", "image-classification", "--dataset", str(_images_without_labels(t))],
                              "has no column 'label'"),

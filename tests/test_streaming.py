@@ -85,6 +85,21 @@ def test_every_file_form_reads_the_same_rows_streamed_and_not(tmp_path):
             assert read(dataset, streaming) == {"train": docs, "validation": ["held out"]}, (dataset, streaming)
 
 
+def test_sources_and_weights_from_yaml_lists_or_the_command_line(tmp_path):
+    from finetune.cli import parse
+    from finetune.config import load_config
+
+    (tmp_path / "run.yaml").write_text("dataset: [a.jsonl, b.jsonl]\ndataset_weights: [3, 1]\nmixture_stop: all_exhausted\n")
+    from_yaml = load_config(tmp_path / "run.yaml", {})
+    args = parse(["train", "--dataset", "a.jsonl", "b.jsonl", "--dataset_weights", "3", "1",
+                  "--mixture_stop", "all_exhausted"])
+    from_cli = load_config(None, {k: getattr(args, k) for k in ("dataset", "dataset_weights", "mixture_stop")})
+    assert from_yaml == from_cli
+    assert from_yaml.sources == ["a.jsonl", "b.jsonl"] and from_yaml.source_weights == [0.75, 0.25]
+    one = load_config(None, {"dataset": ["a.jsonl"]})
+    assert one.dataset == "a.jsonl" and one.sources == ["a.jsonl"] and one.source_weights == [1.0]
+
+
 # --- rows and their positions ---------------------------------------------------------------------
 
 def _sources(tmp_path: Path, stop: str = "first_exhausted"):
@@ -248,6 +263,25 @@ def test_a_mixture_consumes_tokens_by_its_weights(stream_data, tmp_path, env):
     last = train_rows(run)[-1]
     assert [last["tokens/text"], last["tokens/other"]] == tokens
     assert f"tokens/text {tokens[0]:,}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_mixture_without_streaming_is_drawn_once_and_shuffled(stream_data, tmp_path, env):
+    """Text and packed chat from two sources, map-style, 2-process FSDP: every
+    rank draws the same rows (Accelerate's loader then splits them), and both
+    sources are trained on."""
+    run = tmp_path / "mix"
+    proc = run_cli(["train", *[a for a in STREAM_ARGS if a != "--streaming"], "--dataset", stream_data["text"],
+                    stream_data["chat"], "--dataset_weights", "0.5", "0.5", "--chat_template", stream_data["template"],
+                    "--block_size", "128", "--max_steps", "6", "--output_dir", run], env, mixed_precision="no")
+    check_ok(proc)
+    layout = next(line for line in proc.stdout.splitlines() if line.startswith("FSDP on 2"))
+    drawn = re.search(r"2 sources \(text, chat\) drawn with weights 0.5 0.5 until first exhausted: (\d+) train", layout)
+    assert drawn, layout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data_format"] == "mixture"
+    assert all(s["tokens"] > 0 and s["examples"] > 0 for s in summary["sources"]), summary["sources"]
+    assert sum(s["tokens"] for s in summary["sources"]) <= 6 * 2 * 4 * 128
 
 
 def _first_step_and_peak(args: list, env: dict) -> tuple[float, int]:
