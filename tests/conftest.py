@@ -38,7 +38,7 @@ BESIDE_THE_ALONE = ["test_units.py", "test_mutations.py", "test_internals.py", "
                     "test_step_memory.py", "test_gguf_export.py"]
 SCHEDULE = ["test_large_models.py", *BESIDE_THE_ALONE,
             "test_cnn.py", "test_memory_planner.py", "test_quickstart.py", "test_deepspeed.py", "test_trust.py",
-            "test_resume.py", "test_parallelism.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",
+            "test_resume.py", "test_parallelism.py", "test_streaming.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",
             "test_errors.py", "test_export.py", "test_logs.py", "test_sft.py", "test_fsdp_train.py",
             "test_trainer_names.py"]
 

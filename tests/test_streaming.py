@@ -215,7 +215,7 @@ def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind,
              "--block_size", "128"])
     args = [*STREAM_ARGS, *data, "--max_steps", "40", "--checkpoint_every", "4"]
     whole = tmp_path / "whole"
-    check_ok(run_cli(["train", *args, "--output_dir", whole], env, mixed_precision="no"))
+    check_ok(run_cli(["train", *args, "--output_dir", whole], env, mixed_precision="no", warm=True))
 
     stopped = tmp_path / "stopped"
     launcher = subprocess.Popen(
@@ -252,7 +252,7 @@ def test_a_mixture_consumes_tokens_by_its_weights(stream_data, tmp_path, env):
     run = tmp_path / "mix"
     proc = run_cli(["train", *STREAM_ARGS, "--dataset", stream_data["text"], other, "--dataset_weights", "4", "1",
                     "--max_steps", "30", "--per_device_batch_size", "16", "--block_size", "64",
-                    "--output_dir", run], env, mixed_precision="no")
+                    "--output_dir", run], env, mixed_precision="no", warm=True)
     check_ok(proc)
     sources = json.loads((run / "summary.json").read_text())["sources"]
     assert [(s["dataset"], s["weight"]) for s in sources] == [(str(stream_data["text"]), 0.8), (str(other), 0.2)]
@@ -273,7 +273,8 @@ def test_a_mixture_without_streaming_is_drawn_once_and_shuffled(stream_data, tmp
     run = tmp_path / "mix"
     proc = run_cli(["train", *[a for a in STREAM_ARGS if a != "--streaming"], "--dataset", stream_data["text"],
                     stream_data["chat"], "--dataset_weights", "0.5", "0.5", "--chat_template", stream_data["template"],
-                    "--block_size", "128", "--max_steps", "6", "--output_dir", run], env, mixed_precision="no")
+                    "--block_size", "128", "--max_steps", "6", "--output_dir", run], env, mixed_precision="no",
+                   warm=True)
     check_ok(proc)
     layout = next(line for line in proc.stdout.splitlines() if line.startswith("FSDP on 2"))
     drawn = re.search(r"2 sources \(text, chat\) drawn with weights 0.5 0.5 until first exhausted: (\d+) train", layout)
