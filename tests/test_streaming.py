@@ -146,6 +146,35 @@ def test_a_stream_resumed_from_any_row_continues_with_the_same_rows(mode, tmp_pa
     assert counted == [len(row["input_ids"]) for row in rows]
 
 
+def test_a_checkpoint_position_that_is_not_one_is_refused_in_one_line(tmp_path):
+    """Another number of ranks, a position of the wrong shape, and one whose
+    reader state the data cannot take: each a UsageError naming the fix."""
+    from types import SimpleNamespace
+
+    from finetune.data.chat import stack_rows
+    from finetune.data.mixture import Encoder, RowStream, Source
+    from finetune.data.stream import StreamBatches
+    from finetune.errors import UsageError
+
+    rows = [{"text": d} for d in documents(40, seed=12)]
+    sources = [Source("text", 1.0, "text", lambda: rows)]
+    encoder = Encoder(chat_tokenizer(documents(40, seed=12)), sources, 16, False, "truncate", pieces=False)
+    stream = RowStream(sources, encoder, "blocks", 16, "first_exhausted", seed=0, rank=0)
+    good = [position for _, position in stream.rows(0)][3]
+    batches = StreamBatches(stream, SimpleNamespace(num_processes=1, process_index=0), 2, stack_rows)
+    with pytest.raises(UsageError, match="those of 2 ranks.*resume with --num_processes 2"):
+        batches.load_state_dict({"stream_positions": [good, good]})
+    with pytest.raises(UsageError, match="is not one .chunk, used, builder.; the checkpoint is damaged"):
+        batches.load_state_dict({"stream_positions": [{"chunk": [], "used": "3"}]})
+    with pytest.raises(UsageError, match="holds no stream position .* resume it without --streaming"):
+        batches.load_state_dict({"samples_in_epoch": 8})
+    bad = json.loads(json.dumps(good))
+    bad["chunk"]["readers"][0] = {"index": "nowhere"}
+    batches.load_state_dict({"stream_positions": [bad]})
+    with pytest.raises(UsageError, match="after the checkpoint's stream position of rank 0: if the data is intact"):
+        batches.take(0, 1)
+
+
 def test_a_mixture_stops_when_its_first_source_runs_out_or_when_all_have(tmp_path):
     from finetune.data.mixture import Encoder, RowStream, Source
 

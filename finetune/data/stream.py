@@ -117,8 +117,13 @@ class StreamBatches:
             raise UsageError("the checkpoint holds no stream position (it was written by a run without --streaming); "
                              "resume it without --streaming")
         self.check_world_size(state, self.accelerator.num_processes)
-        self.position = state["stream_positions"][self.accelerator.process_index]
-        self._rows, self._ahead = None, None
+        position = state["stream_positions"][self.accelerator.process_index]
+        if position is not None and not (isinstance(position, dict) and isinstance(position.get("chunk"), dict)
+                                         and isinstance(position.get("used"), int)
+                                         and isinstance(position.get("builder"), dict)):
+            raise UsageError(f"the checkpoint's stream position of rank {self.accelerator.process_index} is not one "
+                             "(chunk, used, builder); the checkpoint is damaged, resume from an earlier one")
+        self.position, self._rows, self._ahead = position, None, None
 
     @staticmethod
     def check_world_size(state: dict, world: int) -> None:
@@ -164,7 +169,15 @@ class StreamBatches:
         ahead (a pass ends with the last full micro-batch)."""
         if self._rows is None or self._epoch != epoch:
             self._rows, self._epoch = self.stream.rows(epoch, self.position), epoch
-            self._ahead = self._full_batch()
+            try:
+                self._ahead = self._full_batch()
+            except Exception as e:  # right after a resume: the position may be what does not fit
+                if self.position is None:
+                    raise
+                raise UsageError(f"{str(e) if isinstance(e, UsageError) else f'{type(e).__name__}: {e}'} (at the "
+                                 f"first rows after the checkpoint's stream position of rank "
+                                 f"{self.accelerator.process_index}: if the data is intact, that position is damaged; "
+                                 "resume from an earlier checkpoint)") from None
         while len(batches) < count and self._ahead is not None:
             batches.append(self._ahead)
             self._ahead = self._full_batch()
