@@ -22,7 +22,8 @@ from pathlib import Path
 
 from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
                              PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
-                             SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types, launch_instead, load_config)
+                             SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
+                             launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
 
@@ -30,7 +31,8 @@ from finetune.tasks import REGISTRY
 # `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
 OPTION_GROUPS = {
     "model": ("task", "model", "model_dtype", "trust_remote_code"),
-    "data": ("dataset", "dataset_weights", "mixture_stop", "streaming", "dataloader_num_workers", "dataset_config", "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
+    "data": ("dataset", "dataset_weights", "mixture_stop", "streaming", "dataloader_num_workers", "dataset_config",
+             "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
              "text_sample_by",
              "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
              "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),

@@ -80,7 +80,8 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 # The options that shape a run's data: recorded with its model (model_dir.py)
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
-                "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt", "packing", "long_examples", "block_size",
+                "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt",
+                "packing", "long_examples", "block_size",
                 "max_prompt_length",
                 "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
 
@@ -412,7 +413,8 @@ def coerce(name: str, value: Any) -> Any:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         element = SEVERAL_VALUES[name]
         try:
-            if (not values and name == "dataset") or any(isinstance(v, (bool, dict, list)) or v is None for v in values):
+            if (not values and name == "dataset") or any(isinstance(v, (bool, dict, list)) or v is None
+                                                         for v in values):
                 raise ValueError
             converted = [element(v) for v in values]
         except (TypeError, ValueError):

@@ -99,6 +99,7 @@ class Encoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, sources: list[Source], block_size: int,
                  train_on_prompt: bool, long_examples: str, pieces: bool):
         self.tokenizer, self.block_size, self.long_examples = tokenizer, block_size, long_examples
+        self.names = [s.name for s in sources]
         self.text_columns = [s.text_column for s in sources]
         self.formats = [s.data_format for s in sources]
         self.chat = {fmt: ChatEncoder(tokenizer, fmt, train_on_prompt) for fmt in set(self.formats) if fmt != "text"}
@@ -106,8 +107,8 @@ class Encoder:
 
     def __call__(self, raw: list[tuple[int, int, dict]]) -> list[Example | None]:
         """(source, example number, row) -> an example, or None for one that is dropped."""
-        texts = [(i, row[self.text_columns[s]]) for i, (s, _, row) in enumerate(raw) if self.formats[s] == "text"]
-        ids = self.tokenizer([t or "" for _, t in texts])["input_ids"] if texts else []
+        texts = [(i, self._text(s, number, row)) for i, (s, number, row) in enumerate(raw) if self.formats[s] == "text"]
+        ids = self.tokenizer([t for _, t in texts])["input_ids"] if texts else []
         out: list[Example | None] = [None] * len(raw)
         for (i, text), tokens in zip(texts, ids):
             if text and text.strip():
@@ -118,6 +119,14 @@ class Encoder:
         if self.pieces:
             return [piece for example in out for piece in self._pieces(example)]
         return out
+
+    def _text(self, source: int, number: int, row: dict) -> str:
+        """A text row's document ("" for none); a row of another shape part-way through a stream is bad data."""
+        text = row.get(self.text_columns[source])
+        if text is not None and not isinstance(text, str):
+            raise UsageError(f"--dataset {self.names[source]}: example {number} holds {type(text).__name__} in column "
+                             f"{self.text_columns[source]!r}, not text; fix that row (or pass --text_column)")
+        return text or ""
 
     def _fitted(self, encoded, source: int) -> Example | None:
         ids, labels = encoded.input_ids, encoded.labels
@@ -230,8 +239,8 @@ def row_mode(formats: list[str], packing: bool) -> str:
 # --- the stream -----------------------------------------------------------------------------------
 
 class RowStream:
-    """One pass of this rank's rows, each with the position after it; a new
-    pass (`start`) reads every source from its beginning again."""
+    """This rank's rows of one pass, each with the position after it; every
+    pass (`rows(data_pass)`) reads the sources from their beginning, drawn anew."""
 
     def __init__(self, sources: list[Source], encoder: Encoder, mode: str, block_size: int, stop: str, seed: int,
                  rank: int, workers: int = 0):
@@ -296,7 +305,7 @@ class RowStream:
         """(state before, [(source, example number, row)]) chunks until the mixture stops."""
         iterators = [iter(reader) for reader in readers]
         while True:
-            before = copy.deepcopy({**state, "readers": [self._reader_state(r) for r in readers]})
+            before = copy.deepcopy({**state, "readers": [reader.state_dict() for reader in readers]})
             raw, ended = [], False
             while len(raw) < CHUNK:
                 source = picks[state["picked"]]
@@ -326,10 +335,6 @@ class RowStream:
         if state is not None:
             reader.load_state_dict(state)
         return reader
-
-    @staticmethod
-    def _reader_state(reader) -> dict:
-        return reader.state_dict()
 
     def _next(self, iterator: Iterator, source: int) -> dict | None:
         try:

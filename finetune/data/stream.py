@@ -99,7 +99,6 @@ class StreamBatches:
         self.stream, self.accelerator = stream, accelerator
         self.per_device_batch, self.collate = per_device_batch, collate
         self.position: dict | None = None           # after the last row taken (None: the start of the pass)
-        self.positions: list | None = None          # every rank's, when a resume loaded them
         self._rows: Iterator[tuple[dict, dict]] | None = None
         self._ahead: list[tuple[dict, dict]] | None = None  # the next micro-batch, read ahead to see a pass end
         self._epoch: int | None = None
@@ -154,9 +153,10 @@ class StreamBatches:
             raise UsageError(f"rank(s) {', '.join(map(str, empty))} have no batch of {self.per_device_batch} rows in "
                              f"pass {epoch + 1} of the stream; give the data more examples or shards, or lower "
                              "--per_device_batch_size or the number of processes")
-        if self.epoch_ended and self.accelerator.is_main_process and (left := sum(n for n, _, _ in counts) - usable * len(counts)):
-            print(f"pass {epoch + 1} of the stream ended on a rank with fewer batches: {left} micro-batch(es) the "
-                  "other ranks still held of it are skipped", flush=True)
+        left = sum(n for n, _, _ in counts) - usable * len(counts)
+        if self.epoch_ended and left:
+            self.accelerator.print(f"pass {epoch + 1} of the stream ended on a rank with fewer batches: {left} "
+                                   "micro-batch(es) the other ranks still held of it are skipped")
         taken = batches[:usable]
         self.position = taken[-1][-1][1]
         return [self.collate([row for row, _ in rows]) for rows in taken]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 from datasets.distributed import split_dataset_by_node
 from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedTokenizerBase
@@ -201,7 +201,9 @@ def _streamed_source(cfg, name: str, weight: float, rank: int,
                              "values, not text; pass --text_column with the text, or --data_format chat/instruction "
                              "for conversations")
         if getattr(train.info, "builder_name", None) == "text":  # a .txt paragraph's blank lines, as _text_splits
-            train = train.map(lambda row: {text_column: row[text_column].strip("\n")})
+            raw = IterableDatasetDict({split: rows.map(lambda row: {text_column: row[text_column].strip("\n")})
+                                       for split, rows in raw.items()})
+            train = train_split(raw, cfg.dataset_split)
     held_out_split = (named_split(raw, cfg.eval_split, "--eval_split") if cfg.eval_split else next(
         (raw[split] for split in HELD_OUT_SPLITS if split in raw and split != (cfg.dataset_split or "train")), None))
     fraction = 0.0 if held_out_split is not None else cfg.validation_split
