@@ -108,7 +108,7 @@ def _load_local(dataset: str, files: list[Path], file_builders: dict[str, str], 
             import zstandard  # noqa: F401  datasets opens .zst files with it
         except ImportError:
             raise UsageError(f"--dataset {path} holds .zst files, which need the zstandard package: pip install "
-                             "zstandard") from None
+                             "'finetune[zst]'") from None
     # The reader logs its own error line before ours: its reason goes into ours instead.
     verbosity = datasets_logging.get_verbosity()
     datasets_logging.set_verbosity(datasets_logging.CRITICAL)
