@@ -374,6 +374,12 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def tracker_values(self) -> dict[str, Any]:
+        """The options as trackers take them: scalars (TensorBoard's hparams
+        refuse lists), a list as its values joined by spaces."""
+        return {name: " ".join(map(str, value)) if isinstance(value, list) else value
+                for name, value in self.to_dict().items()}
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 

@@ -303,7 +303,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
     """Everything is checked: from here on the run writes into its dir."""
     acc = run.accelerator
     try:  # first: a tracker that cannot start (a bad MLFLOW_TRACKING_URI, ...) leaves the run as it was
-        on_every_rank(acc, lambda: acc.init_trackers(run.run_dir.name, config=run.cfg.to_dict()), errors=(Exception,))
+        on_every_rank(acc, lambda: acc.init_trackers(run.run_dir.name, config=run.cfg.tracker_values()), errors=(Exception,))
     except WriteFailed as e:
         raise UsageError(f"--report_to {run.cfg.report_to}: a tracker could not start ({e}); fix its settings "
                          "(MLFLOW_TRACKING_URI, WANDB_MODE, ...) or drop it from --report_to") from None

@@ -14,14 +14,16 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
-from finetune.data.mixture import RowStream
 from finetune.errors import UsageError
+
+if TYPE_CHECKING:  # `finetune export` reads checkpoints through this module: no datasets import
+    from finetune.data.mixture import RowStream
 
 
 class DataState(Protocol):
