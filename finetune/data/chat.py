@@ -265,19 +265,30 @@ def encode_split(split: Dataset, encoder: ChatEncoder, block_size: int, long_exa
     stats = SFTStats()
     kept_ids, kept_labels = [], []
     for ids, labels in zip(tokens["input_ids"], tokens["labels"]):
-        if len(ids) > block_size:
-            if long_examples == "drop":
-                stats.dropped_long += 1
-                continue
-            ids, labels = ids[:block_size], labels[:block_size]
-            stats.truncated += 1
-        if all(label == IGNORE for label in labels[1:]):  # the first token is never predicted
-            stats.dropped_no_target += 1
-            continue
-        kept_ids.append(ids)
-        kept_labels.append(labels)
+        fitted, outcome = fit_to_block(ids, labels, block_size, long_examples)
+        stats.truncated += outcome == "truncated"
+        stats.dropped_long += outcome == "dropped_long"
+        stats.dropped_no_target += outcome == "dropped_no_target"
+        if fitted is not None:
+            kept_ids.append(fitted[0])
+            kept_labels.append(fitted[1])
     stats.examples = len(kept_ids)
     return Dataset.from_dict({"input_ids": kept_ids, "labels": kept_labels}), stats
+
+
+def fit_to_block(ids: list[int], labels: list[int], block_size: int,
+                 long_examples: str) -> tuple[tuple[list[int], list[int]] | None, str]:
+    """An example fitted to `block_size` (cut, or dropped with --long_examples
+    drop), or None when no answer token is left; and what happened to it:
+    kept, truncated, dropped_long or dropped_no_target."""
+    outcome = "kept"
+    if len(ids) > block_size:
+        if long_examples == "drop":
+            return None, "dropped_long"
+        ids, labels, outcome = ids[:block_size], labels[:block_size], "truncated"
+    if all(label == IGNORE for label in labels[1:]):  # the first token is never predicted
+        return None, "dropped_no_target"
+    return (ids, labels), outcome
 
 
 def pack(examples: Dataset, block_size: int) -> Dataset:

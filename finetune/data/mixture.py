@@ -31,7 +31,8 @@ import numpy as np
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat import IGNORE, ChatEncoder, PadCollator, load_chat_template, pad_id, stack_rows
+from finetune.data.chat import (ChatEncoder, PadCollator, fit_to_block, load_chat_template, mask_first, pad_id,
+                                stack_rows)
 from finetune.data.sources import root_cause
 from finetune.errors import UsageError
 
@@ -129,14 +130,8 @@ class Encoder:
         return text or ""
 
     def _fitted(self, encoded, source: int) -> Example | None:
-        ids, labels = encoded.input_ids, encoded.labels
-        if len(ids) > self.block_size:
-            if self.long_examples == "drop":
-                return None
-            ids, labels = ids[:self.block_size], labels[:self.block_size]
-        if all(label == IGNORE for label in labels[1:]):  # nothing to learn from
-            return None
-        return Example(ids, labels, source)
+        fitted, _ = fit_to_block(encoded.input_ids, encoded.labels, self.block_size, self.long_examples)
+        return Example(*fitted, source) if fitted is not None else None
 
     def _pieces(self, example: Example | None) -> list[Example | None]:
         if example is None or example.labels is not None:
@@ -223,9 +218,8 @@ class RowBuilder:
         for piece in pieces:
             tokens[piece["source"]] += len(piece["input_ids"])
             examples[piece["source"]] += piece["starts"]
-        # In a packed block the position before an example belongs to another: its first token is no target.
         return {"input_ids": [t for p in pieces for t in p["input_ids"]],
-                "labels": [t for p in pieces for t in ([IGNORE] + p["labels"][1:] if packed else p["labels"])],
+                "labels": [t for p in pieces for t in (mask_first(p["labels"]) if packed else p["labels"])],
                 "position_ids": [i for p in pieces for i in range(len(p["input_ids"]))],
                 "source_tokens": tokens, "source_examples": examples}
 
