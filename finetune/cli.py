@@ -365,9 +365,10 @@ def leave_the_word_to_rank_zero() -> None:
 
 
 def _run(cfg: TrainConfig) -> int:
-    from finetune.run_dir import check_run_dir
+    from finetune.preflight import check_before_loading
 
-    check_run_dir(cfg)  # before the libraries load: a wrong --output_dir fails in a second, not five
+    check_before_loading(cfg)  # before the libraries load: a wrong path fails in a second, not after 10 s of imports
+    keep_torchao_out_of_transformers()
     from finetune.inference import generate_text
     from finetune.report import eval_line
     from finetune.train import train
@@ -390,7 +391,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     import yaml
 
-    from finetune.checkpoint import check_resumable
     from finetune.launch import relaunch, under_a_launcher, without_options
     from finetune.launch_record import checked_record
 
@@ -420,11 +420,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.no_relaunch or "launcher_options" not in launch:
         return _run(cfg)
     # Bad input fails here, in seconds, before any process starts.
+    keep_torchao_out_of_transformers()
+    from finetune.checkpoint import check_resumable
+
     check_resumable(cfg, args.num_processes or launch.get("num_processes"))
     return relaunch(Path(args.run_dir), launch, without_options(args.argv, {"--num_processes"}), args.num_processes)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    keep_torchao_out_of_transformers()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.export import export_checkpoint, export_gguf
 
@@ -450,6 +454,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    keep_torchao_out_of_transformers()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import generate_text
 
@@ -463,6 +468,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    keep_torchao_out_of_transformers()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import evaluate_model_dir
 
@@ -501,6 +507,7 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
+    keep_torchao_out_of_transformers()
     from finetune.memory import (data_ram_line, estimate, host_ram, model_shape, planned_meshes, read_launch_config,
                                  render, render_traffic)
 
@@ -581,7 +588,8 @@ def keep_torchao_out_of_transformers() -> None:
     process here, and on machines without CUDA a log line for each of its CUDA
     kernels. finetune never loads such checkpoints, and a QLoRA run imports
     torchao's NF4 itself (finetune/peft/qlora.py), so transformers is told it
-    is not there. Runs before anything imports transformers' model code."""
+    is not there. Each command calls it before anything imports transformers'
+    model code, and after the checks that need no library."""
     if "transformers.modeling_utils" in sys.modules:
         return
     import transformers.utils
@@ -595,8 +603,6 @@ def keep_torchao_out_of_transformers() -> None:
 def run_command(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
-        if args.func is not cmd_configs:  # the one command that never imports transformers (nor `--help`)
-            keep_torchao_out_of_transformers()
         return args.func(args)
     except (UsageError, NotDistributed) as e:
         if is_rank_zero():

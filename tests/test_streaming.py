@@ -55,7 +55,8 @@ def test_every_file_form_reads_the_same_rows_streamed_and_not(tmp_path):
     import zstandard
 
     from finetune.data.sources import load_source
-    from finetune.data.text import TEXT_FILES, _txt_options
+    from finetune.data.locations import TEXT_FILES
+    from finetune.data.text import _txt_options
 
     docs = documents(30, seed=1)
     rows = "".join(json.dumps({"text": d}) + "\n" for d in docs)

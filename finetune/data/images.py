@@ -16,12 +16,9 @@ import torch
 from datasets import Array2D, ClassLabel, DatasetDict, Features, Image, Value
 
 from finetune.data.digits import build_digits
+from finetune.data.locations import IMAGE_FILES
 from finetune.data.sources import load_source, train_and_held_out, train_split
 from finetune.errors import UsageError
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-# An image folder (one sub-directory per class) is read by datasets' imagefolder builder.
-IMAGE_FILES = {".parquet": "parquet", **{suffix: "imagefolder" for suffix in IMAGE_SUFFIXES}}
 
 
 def load_images(dataset: str, image_column: str, label_column: str, image_size: int, validation_split: float,

@@ -18,11 +18,8 @@ from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.data_files import SPLIT_KEYWORDS
 from datasets.utils import logging as datasets_logging
 
-from finetune.data.fingerprint import glob_matches
+from finetune.data.locations import COMPRESSIONS, data_suffix, locate
 from finetune.errors import UsageError
-
-# Compressed data files are read through (datasets opens them by their suffix).
-COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 
 # Held-out splits a dataset may bring, in the order they are preferred.
 HELD_OUT_SPLITS = ("validation", "test")
@@ -37,30 +34,17 @@ def load_source(dataset: str, builtin: Callable[[], DatasetDict], file_builders:
     `config` names one of a dataset's configurations (a Hub dataset's, or those
     a local dir's README.md dataset card declares). `streaming`: iterable
     splits that read their files only as they are iterated."""
-    if dataset == "builtin":
+    where = locate(dataset, file_builders)
+    if where.kind == "builtin":
         return builtin().to_iterable_dataset() if streaming else builtin()
-    path = Path(dataset)
-    if path.is_dir() and (path / "README.md").is_file():  # a dataset card: datasets reads its configs and files
-        return _load(str(path), config, f"--dataset {dataset}", streaming)
-    if path.exists() or (matches := glob_matches(dataset)):
-        if config:
-            raise UsageError(f"--dataset {dataset} has no configurations (no README.md dataset card declares any); "
-                             "drop --dataset_config")
-        files = [path] if path.is_file() else matches if not path.exists() else sorted(
-            p for p in path.rglob("*") if p.is_file() and data_suffix(p) in file_builders)
-        return _load_local(dataset, files, file_builders, accepted, builder_options or {}, streaming)
-    if any(c in dataset for c in "*?["):
-        raise UsageError(f"--dataset {dataset} matches no file; check the pattern (quote it so that the shell "
-                         "leaves it to finetune)")
-    if dataset.startswith((".", "/", "~")) or data_suffix(path) in file_builders:
-        raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
-    return _load(dataset, config, f"Hub dataset {dataset!r}", streaming)
-
-
-def data_suffix(path: Path) -> str:
-    """A data file's type: .jsonl for both x.jsonl and x.jsonl.gz."""
-    suffixes = [s.lower() for s in path.suffixes]
-    return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
+    if where.kind == "card":
+        return _load(dataset, config, f"--dataset {dataset}", streaming)
+    if where.kind == "hub":
+        return _load(dataset, config, f"Hub dataset {dataset!r}", streaming)
+    if config:
+        raise UsageError(f"--dataset {dataset} has no configurations (no README.md dataset card declares any); "
+                         "drop --dataset_config")
+    return _load_local(dataset, list(where.files), file_builders, accepted, builder_options or {}, streaming)
 
 
 def split_of(file: Path) -> str:

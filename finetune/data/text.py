@@ -18,12 +18,11 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.data.builtin import build_stdlib_corpus, build_stdlib_preferences, build_stdlib_questions
 from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
+from finetune.data.locations import TEXT_FILES
 from finetune.data.mixture import Source, is_held_out
 from finetune.data.sources import (HELD_OUT_SPLITS, limit_samples, load_source, named_split, root_cause,
                                    train_and_held_out, train_split)
 from finetune.errors import UsageError
-
-TEXT_FILES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def _builtin_text() -> DatasetDict:

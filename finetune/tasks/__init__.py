@@ -14,9 +14,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune.data.locations import IMAGE_FILES, TEXT_FILES
 from finetune.errors import UsageError
 from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
-
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class TaskEntry:
     auto_class: str                  # the transformers Auto class its models load with...
     model_mapping: str               # ...and that class's public mapping of config classes to models
     presets: tuple[str, ...]         # named models built from scratch (finetune/presets.py)
+    data_files: dict[str, str]       # the local files its data is read from: suffix -> datasets builder
     defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig values that differ for this task
     generative: bool = False         # its models generate text: exports carry a generation config
     has_tokenizer: bool = False      # its models come with a tokenizer, saved next to them
@@ -68,12 +69,12 @@ def _transformers():
 
 REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
     TaskEntry("causal-lm", "finetune.tasks.causal_lm:CausalLM", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING",
-              tuple(GPT2_PRESETS), generative=True, has_tokenizer=True),
+              tuple(GPT2_PRESETS), TEXT_FILES, generative=True, has_tokenizer=True),
     # The lectures' recipe: Adam 1e-2 with L2 decay 1e-4, StepLR halving every
     # epoch, clipping at 0.1, accumulation 4, mini-batch 64, a checkpoint every 5 epochs.
     TaskEntry("image-classification", "finetune.tasks.image_classification:ImageClassification",
               "AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING", tuple(CNN_PRESETS),
-              defaults=dict(
+              IMAGE_FILES, defaults=dict(
                   model="lecture-cnn", optimizer="adam", learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.999,
                   weight_decay=1e-4, lr_scheduler_type="step", lr_gamma=0.5, max_grad_norm=0.1,
                   gradient_accumulation_steps=4, per_device_batch_size=64, num_epochs=10, checkpoint_every_epochs=5,

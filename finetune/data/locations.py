@@ -1,0 +1,54 @@
+"""What a --dataset value names, decided from the file system alone: the
+task's embedded default, a dataset card's dir, local files, or a Hub id. Light
+on purpose (no `datasets`): every rank runs it before the libraries load, so a
+misspelt path ends in a second, and sources.py loads by the same rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.data.fingerprint import glob_matches
+from finetune.errors import UsageError
+
+# Compressed data files are read through (datasets opens them by their suffix).
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+
+# The files each kind of data is read from, by suffix, and the datasets builder that reads them.
+TEXT_FILES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# An image folder (one sub-directory per class) is read by datasets' imagefolder builder.
+IMAGE_FILES = {".parquet": "parquet", **{suffix: "imagefolder" for suffix in IMAGE_SUFFIXES}}
+
+
+@dataclass(frozen=True)
+class Location:
+    kind: str                      # "builtin", "card" (a dir with a dataset card), "files" or "hub"
+    files: tuple[Path, ...] = ()   # kind "files": what it holds of the task's types
+
+
+def locate(dataset: str, file_builders: dict[str, str]) -> Location:
+    """Where `dataset` is, or one line saying why it is nowhere. `file_builders`:
+    the suffixes the task reads (a dir keeps only those)."""
+    if dataset == "builtin":
+        return Location("builtin")
+    path = Path(dataset)
+    if path.is_dir() and (path / "README.md").is_file():  # a dataset card: datasets reads its configs and files
+        return Location("card")
+    if path.exists():
+        return Location("files", (path,) if path.is_file() else tuple(sorted(
+            p for p in path.rglob("*") if p.is_file() and data_suffix(p) in file_builders)))
+    if matches := glob_matches(dataset):
+        return Location("files", tuple(matches))
+    if any(c in dataset for c in "*?["):
+        raise UsageError(f"--dataset {dataset} matches no file; check the pattern (quote it so that the shell "
+                         "leaves it to finetune)")
+    if dataset.startswith((".", "/", "~")) or data_suffix(path) in file_builders:
+        raise UsageError(f"--dataset {dataset} does not exist; pass an existing file or dir, a Hub id, or 'builtin'")
+    return Location("hub")
+
+
+def data_suffix(path: Path) -> str:
+    """A data file's type: .jsonl for both x.jsonl and x.jsonl.gz."""
+    suffixes = [s.lower() for s in path.suffixes]
+    return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
