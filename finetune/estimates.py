@@ -14,7 +14,7 @@ GIB = 1024**3
 
 # Calibrated on fp32 CPU runs (torch 2.13, transformers 5.23, glibc 2.36):
 # tiny-gpt2, the GPT-2 124M shape and a 34 M-parameter Llama, on 1, 2 and 3
-# processes; tests/test_memory_planner.py keeps the prediction within 15%.
+# processes; tests/e2e/test_memory_planner.py keeps the prediction within 15%.
 RUNTIME_BYTES = 530 * MIB
 # The heap's high-water mark above the live tensors, in fp32 bytes of the
 # parameters held in tensors below the mmap threshold: on one process their

@@ -13,7 +13,7 @@ layer in 16-bit, doubled in fp32, plus the logits (or, with the chunked loss, on
 chunk of them and the gradients it keeps).
 
 A CPU run's peak resident set per rank adds what a process holds beyond those
-tensors, calibrated against measured runs (tests/test_memory_planner.py):
+tensors, calibrated against measured runs (tests/e2e/test_memory_planner.py):
 
     runtime      the interpreter and the libraries after import (a constant)
     heap churn   tensors below glibc's mmap threshold (parameters, their

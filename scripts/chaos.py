@@ -17,7 +17,7 @@ the same steps is made: every step must be logged exactly once, with the
 uninterrupted run's loss (fp32: equal to 1e-5; a constant learning rate, so
 that the schedule does not depend on --max_steps). The rounds, their outcomes and
 the comparison go to OUTPUT_DIR/chaos.json and chaos.md. Outside the test suite
-(minutes); tests/test_trust.py runs three SIGKILL rounds.
+(minutes); tests/e2e/test_trust.py runs three SIGKILL rounds.
 """
 
 from __future__ import annotations

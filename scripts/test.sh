@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Installs what is missing, then runs the whole test suite (unit tests and real
 # multi-process FSDP runs on CPU). Extra arguments go to pytest.
+#   bash scripts/test.sh           the whole suite (what CI runs)
+#   bash scripts/test.sh --quick   what runs in this process alone, nothing launched (the edit-test loop)
 #   FINETUNE_TEST_WORKERS  test files run at once (default 2; 0 runs them in this process)
 # Two workers keep both cores busy: much of a run is one process starting up.
-# The tests marked `alone` hold the 355 M model's resident sets against tight
-# bounds and take GBs: they run first, with only the light files
-# (conftest.BESIDE_THE_ALONE) beside them.
+# The tests marked `alone` hold runs' resident sets against tight bounds and
+# take GBs: they run first, with only the files that launch nothing beside them
+# (tests/conftest.py says how files are ordered).
 FINETUNE_EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 workers="${FINETUNE_TEST_WORKERS:-2}"
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slow and not alone" "$@"
+fi
 python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "alone or beside_alone" "$@" \
     || [ $? -eq 5 ]  # 5: the arguments selected none of them
 python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not beside_alone" "$@"

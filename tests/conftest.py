@@ -28,28 +28,64 @@ CONFIGS = REPO / "accelerate_configs"
 
 # The suite runs on two workers, a test file each (scripts/test.sh: pytest-xdist,
 # --dist loadfile), handed out in collection order, in two phases:
-# - first the tests marked `alone` (the 355 M model's resident-set bounds) on one
-#   worker, and beside them, on the other, the files in BESIDE_THE_ALONE: they
-#   launch no big run and need little memory, and the alone runs leave a core idle;
-# - then the rest: the longest files first, so that the short ones fill in at the
-#   end (started last, a long one would leave the other worker idle for minutes).
-# The rest keep their order.
-BESIDE_THE_ALONE = ["test_units.py", "test_mutations.py", "test_internals.py", "test_images.py", "test_loop.py",
-                    "test_step_memory.py", "test_gguf_export.py"]
-SCHEDULE = ["test_large_models.py", *BESIDE_THE_ALONE,
-            "test_cnn.py", "test_memory_planner.py", "test_quickstart.py", "test_deepspeed.py", "test_trust.py",
-            "test_resume.py", "test_parallelism.py", "test_streaming.py", "test_configs.py", "test_lora.py", "test_preference.py", "test_slurm.py",
-            "test_errors.py", "test_export.py", "test_logs.py", "test_sft.py", "test_fsdp_train.py",
-            "test_trainer_names.py"]
+# - first the tests marked `alone` (the memory-bound runs, whose resident sets
+#   are held against tight bounds) on one worker, and beside them, on the other,
+#   every file that launches nothing (no test in it is marked `slow`): they need
+#   little memory, and the alone runs leave a core idle;
+# - then the rest.
+# In each phase the longest files go first (tests/durations.json, each file's
+# measured seconds), so that the short ones fill in at the end: started last, a
+# long one would leave the other worker idle for minutes. A file not measured
+# yet counts as the longest, so that it never runs last unnoticed.
+# FINETUNE_RECORD_DURATIONS=1 rewrites durations.json from the run.
+DURATIONS = Path(__file__).parent / "durations.json"
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker it adds
+def test_file(item) -> str:
+    return item.path.relative_to(REPO / "tests").as_posix()
+
+
+def launches(fixture_function):
+    """Marks a fixture that launches a run: a test that takes it, directly or
+    through another fixture, is an end-to-end test (`slow`) wherever it sits."""
+    fixture_function.launches = True
+    return fixture_function
+
+
+def takes_a_launch(item) -> bool:
+    return any(getattr(definition.func, "launches", False)
+               for definitions in item._fixtureinfo.name2fixturedefs.values() for definition in definitions)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers it adds
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SCHEDULE)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    seconds = json.loads(DURATIONS.read_text())
+    unmeasured = max(seconds.values(), default=0) + 1
+    items.sort(key=lambda item: -seconds.get(test_file(item), unmeasured))  # stable: a file keeps its own order
     for item in items:
-        if item.path.name in BESIDE_THE_ALONE:
+        if takes_a_launch(item):
+            item.add_marker("slow")
+    launching = {test_file(item) for item in items if item.get_closest_marker("slow")}
+    for item in items:
+        if test_file(item) not in launching:
             item.add_marker("beside_alone")
+
+
+def pytest_sessionfinish(session):
+    """With FINETUNE_RECORD_DURATIONS=1, each file's measured seconds (setup,
+    call and teardown of its tests) into durations.json, on the controller."""
+    if not os.environ.get("FINETUNE_RECORD_DURATIONS") or hasattr(session.config, "workerinput"):
+        return
+    measured = json.loads(DURATIONS.read_text())
+    measured.update({name: round(total, 1) for name, total in FILE_SECONDS.items()})
+    DURATIONS.write_text(json.dumps(dict(sorted(measured.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
+
+
+FILE_SECONDS: Counter = Counter()
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.split("::")[0].removeprefix("tests/")] += report.duration
 
 
 def free_port() -> int:
@@ -312,6 +348,7 @@ def made_once(tmp_path_factory, worker_id: str, name: str, make: Callable[[Path]
 
 
 @pytest.fixture(scope="session")
+@launches
 def checkpointed_run(tmp_path_factory, worker_id, env, small_corpus) -> Path:
     """fp32, 2-process FSDP, 12 steps, a checkpoint every 6. A launch of its own:
     test_memory_planner holds its peak resident set against the planner's."""
@@ -345,6 +382,7 @@ def readme_commands() -> list[str]:
 
 
 @pytest.fixture(scope="session")
+@launches
 def readme_workdir(tmp_path_factory, worker_id, env) -> Path:
     """Runs the README's commands in order in a fresh dir, as a user would copy them:
     `accelerate launch` for real, with nothing added but a free port (so in the

@@ -333,7 +333,7 @@ class DeepSpeed(Backend):
         next to them, an fp32 master partition with the two AdamW moments (12
         bytes per element per rank); ZeRO-1 keeps whole gradients, ZeRO-2
         partitions them, ZeRO-3 the weights too. Checked against the engine in
-        tests/test_deepspeed.py; the CPU resident set is not calibrated."""
+        tests/e2e/test_deepspeed.py; the CPU resident set is not calibrated."""
         n, t = p.num_processes, p.shape.trainable or p.shape.params
         model_bytes = 2 if p.mixed_precision == "bf16" else 4
         whole, part, optimizer = model_bytes * t, model_bytes * -(-t // n), 12 * -(-t // n)

@@ -4,6 +4,7 @@ one fails loudly instead of silently changing what a run does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -24,18 +25,19 @@ def test_profiler_still_records_every_allocation_for_the_step_peak():
 # `PartialState.distributed_type`, switched while the Accelerator is built so that
 # Accelerate selects FSDP on a CPU-only machine (finetune/backends/fsdp.py), is the
 # product's core trick. Every multi-process FSDP run checks from the outside that
-# it still shards: tests/test_fsdp_train.py::test_summary_reports_real_fsdp_shards
+# it still shards: tests/e2e/test_fsdp_train.py::test_summary_reports_real_fsdp_shards
 # and ::test_checkpoint_holds_one_shard_file_per_rank_matching_summary, and verify_sharded stops any
 # run that asked for FSDP and did not get it.
 
 
 # Accelerate's unwrap imports DeepSpeed whenever it is installed; runs that do
 # not use it tell `accelerate.utils.other` otherwise (finetune/backends/base.py):
-# tests/test_units.py::test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps.
+# tests/unit/test_backends.py::test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps.
 
 GLOO_COLLECTIVES = """
 import os
 import sys
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -91,6 +93,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_fsdp2_takes_our_gloo_collectives_and_they_equal_gloos_own(tmp_path, env):
     """FSDPModule.set_custom_all_gather / set_custom_reduce_scatter and the comm
     interface they call (`allocate`, then the call with FSDP2's arguments)."""

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import CONFIGS, run_in_process
 from sft_models import CHATML, conversations, save_chat_model, save_gguf_model, write_jsonl
-from test_errors import snapshot
+from e2e.test_errors import snapshot
 
 SEED = 20261125
 MUTATIONS = ("truncated", "bit-flipped", "wrong-typed", "non-utf8", "empty", "oversized")

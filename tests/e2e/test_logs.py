@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import check_ok, common_args, eval_rows, run_cli, train_rows
 
 
+@pytest.mark.slow
 def test_a_redirected_run_prints_plain_lines(tmp_path, env, small_corpus):
     run_dir = tmp_path / "run"
     proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "7", "--log_every", "2", "--eval_every", "3",

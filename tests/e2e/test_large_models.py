@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, WarmRanks, check_ok, run_cli, run_in_process
+from conftest import REPO, WarmRanks, check_ok, launches, run_cli, run_in_process
 from sft_models import chat_tokenizer, conversations
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,7 @@ def medium_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@launches
 def medium_runs(tmp_path_factory, env, small_corpus, medium_dir):
     """One optimizer step of the medium model on 2 and on 3 processes, at a
     learning rate too small to move any weight, with 300 MB output files."""

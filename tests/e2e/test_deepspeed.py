@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import check_ok, common_args, run_cli, run_cli_together, run_in_process, train_rows
-from test_errors import one_error_line, snapshot
-from test_resume import interrupted_copy
+from conftest import check_ok, common_args, launches, run_cli, run_cli_together, run_in_process, train_rows
+from e2e.test_errors import one_error_line, snapshot
+from e2e.test_resume import interrupted_copy
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -32,6 +32,7 @@ def summary(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
+@launches
 def zero_runs(tmp_path_factory, env, small_corpus) -> dict[int, Path]:
     """One run per stage, launched as the config's header documents it (its default precision: fp32),
     5 steps with 2 micro-batches each, a checkpoint at step 3 and at the end."""

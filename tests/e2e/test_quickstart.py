@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, check_ok, run_in_process
-from test_gguf_export import assert_same_next_tokens_beyond_ties
+from unit.test_gguf_export import assert_same_next_tokens_beyond_ties
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from conftest import (
     train_rows,
 )
 from sft_models import conversations, write_jsonl
-from test_errors import one_error_line, snapshot
+from e2e.test_errors import one_error_line, snapshot
 
 from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
 from finetune.errors import UsageError
@@ -126,7 +126,7 @@ def test_chaos_sigkill_anywhere_then_resume_latest(tmp_path, env, small_corpus):
     gone within a minute (a killed launcher takes its ranks with it), and the
     newest checkpoint verifying against its manifest. Then a last resume runs
     to the end: every step logged exactly once."""
-    from test_resume import _launch_background, _rank_pids
+    from e2e.test_resume import _launch_background, _rank_pids
 
     rng = random.Random(20261123)
     victims = [("launcher", "rank 0", "rank 1")[i % 3] for i in range(CHAOS_ROUNDS)]  # each kind, in random order
@@ -174,7 +174,7 @@ def test_a_rank_that_stops_answering_ends_the_run_with_one_line_naming_it(tmp_pa
     """SIGSTOP one rank mid-run: the other times out in its next collective
     (--ddp_timeout) and the run ends, naming the silent rank and ending it
     (it runs on this machine), instead of hanging."""
-    from test_resume import _launch_background, _rank_pids
+    from e2e.test_resume import _launch_background, _rank_pids
 
     run_dir = tmp_path / "run"
     proc = _launch_background(["train", *common_args(small_corpus), "--max_steps", "400", "--checkpoint_every", "2",
@@ -228,6 +228,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_ends_with_one_line(tmp_pa
     assert verify_checkpoint(checkpoints / "step_000002").step == 2
 
 
+@pytest.mark.slow
 def test_a_read_only_output_dir_is_refused_before_training(tmp_path, env):
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
         pytest.skip("no user and mount namespaces here (unshare -rm) to make a read-only dir in")
@@ -243,6 +244,7 @@ def test_a_read_only_output_dir_is_refused_before_training(tmp_path, env):
                                   "choose another --output_dir"
 
 
+@pytest.mark.slow
 def test_export_to_a_full_disk_leaves_nothing_and_says_so(tmp_path, env, checkpointed_run):
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
         pytest.skip("no user and mount namespaces here (unshare -rm) to make a small filesystem in")
@@ -537,6 +539,7 @@ def test_resume_reads_the_files_its_checkpoint_was_trained_on(tmp_path, monkeypa
         (work / name).write_bytes(original)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_manifest_is_read_only_when_the_command_line_allows_it(checkpointed_run, tmp_path,
                                                                                         env):
     """A deleted manifest.json would turn verification off: resume and export

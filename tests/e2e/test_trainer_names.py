@@ -21,6 +21,7 @@ def text_file(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_a_run_clm_command_line_runs_as_written(tmp_path, env, text_file):
     model = save_chat_model(tmp_path / "pretrained")
     run_dir = tmp_path / "run"

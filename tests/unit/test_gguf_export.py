@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, check_ok, run_in_process
 from sft_models import CHATML, chat_tokenizer, conversations, save_chat_model
-from test_errors import one_error_line
+from e2e.test_errors import one_error_line
 
 gguf = pytest.importorskip("gguf")
 
@@ -252,6 +252,7 @@ def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs,
             assert_same_next_tokens_beyond_ties(theirs, ours)
 
 
+@pytest.mark.slow
 def test_the_export_streams_one_tensor_at_a_time(tmp_path):
     """A 238 MB Llama whose largest tensor is 4.2 MB: the export's peak RSS
     stays within its baseline (after a small export) plus 10 of the largest

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, check_ok, run_in_process
-from test_errors import one_error_line
+from e2e.test_errors import one_error_line
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow

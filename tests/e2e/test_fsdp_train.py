@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
-from conftest import check_ok, common_args, dcp_elements_per_file, eval_rows, run_cli, run_in_process, train_rows
+from conftest import check_ok, common_args, dcp_elements_per_file, eval_rows, launches, run_cli, run_in_process, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,7 @@ BF16_LOSS_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
+@launches
 def fsdp_run(tmp_path_factory, env) -> Path:
     """2-process FSDP (bf16, as fsdp.yaml says) on the built-in corpus for 20 steps."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"

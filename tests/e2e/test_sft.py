@@ -130,7 +130,7 @@ def test_a_template_file_is_checked_when_it_is_read(chat_model, tmp_path, text, 
 
 
 def test_generate_chat_with_a_template_that_fails_is_one_line(chat_model, tmp_path):
-    from test_errors import one_error_line
+    from e2e.test_errors import one_error_line
 
     model_dir = tmp_path / "model"
     shutil.copytree(chat_model, model_dir)
@@ -242,6 +242,7 @@ def sft_args(model, data, *extra):
             "--sample_prompt", "", "--max_eval_batches", "2", "--validation_split", "0.1", *extra]
 
 
+@pytest.mark.slow
 def test_loss_is_normalised_over_the_global_batch(tmp_path, env, chat_model, ragged_chat):
     """Ragged examples, no packing, fp32: one process with 1 x 4 micro-batches,
     one process with one batch of 4, and 2 FSDP ranks with batches of 2 give the
@@ -262,6 +263,7 @@ def test_loss_is_normalised_over_the_global_batch(tmp_path, env, chat_model, rag
             torch.testing.assert_close(weights[name][key], tensor, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, env, ragged_chat):
     """Qwen2-style model, packed chat data, 2 FSDP ranks in fp32: sharded,
     checkpointed, resumed exactly, exported, and answering with its template."""
@@ -301,6 +303,7 @@ def test_sft_end_to_end_under_fsdp_with_exact_resume_export_and_chat(tmp_path, e
     assert "<|im_start|>" not in answer.stdout and "What does sorted do?" not in answer.stdout
 
 
+@pytest.mark.slow
 def test_a_preset_learns_chat_data_with_a_template_file(tmp_path, env, ragged_chat):
     """A preset trains its tokenizer on every string of the examples; the
     template comes from --chat_template and is saved with the model."""

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import check_ok, eval_rows, run_cli, run_in_process, train_rows
+from conftest import check_ok, eval_rows, launches, run_cli, run_in_process, train_rows
 from sft_models import chat_tokenizer, conversations, save_chat_model, write_jsonl
-from test_errors import one_error_line
-from test_resume import consolidated, flatten
+from e2e.test_errors import one_error_line
+from e2e.test_resume import consolidated, flatten
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,7 @@ def gpt2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@launches
 def lora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
     """6 steps of LoRA r=8 (all-linear, dropout on) on 2 processes, a checkpoint every 3."""
     run_dir = tmp_path_factory.mktemp("lora") / "run"
@@ -287,6 +288,7 @@ NF4_BYTES_PER_WEIGHT = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # 4-bit codes, an int
 
 
 @pytest.fixture(scope="module")
+@launches
 def qlora_run(tmp_path_factory, env, small_corpus, gpt2_dir):
     """The LoRA run's 6 steps with --peft qlora."""
     pytest.importorskip("torchao")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import check_ok, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
+from conftest import check_ok, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder, split_pair
 from finetune.errors import UsageError
@@ -170,6 +170,7 @@ def independent_eval(policy_dir: Path, reference_dir: Path | None, rows: list[di
     return {name: sum(v) / len(v) for name, v in values.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
 def test_rewards_and_loss_equal_an_independent_computation(loss, models, tmp_path, env):
     """The first evaluation scores every held-out pair with the policy (--model)
@@ -192,6 +193,7 @@ def test_rewards_and_loss_equal_an_independent_computation(loss, models, tmp_pat
 
 
 @pytest.fixture(scope="module")
+@launches
 def learnt(models, tmp_path_factory, env) -> dict[str, Path]:
     """Full and LoRA DPO of the chat model on a learnable preference (2-process
     FSDP, fp32), and LoRA SFT on the chosen answers for the state comparison."""
@@ -267,6 +269,7 @@ def test_the_reference_is_sharded_or_is_the_base_without_adapters(learnt):
         assert abs(dpo_bytes - sft_bytes) <= 0.05 * sft_bytes
 
 
+@pytest.mark.slow
 def test_a_dpo_run_resumes_exactly(learnt, tmp_path, env):
     """LoRA DPO resumed from its step-8 checkpoint: steps 9 to 16 as the uninterrupted run logged them."""
     run_dir = tmp_path / "resumed"
@@ -288,6 +291,7 @@ def test_a_dpo_run_resumes_exactly(learnt, tmp_path, env):
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_ddp_and_zero_take_the_same_steps(learnt, tmp_path, env):
     """Full DPO under DDP and ZeRO-2 (a whole frozen reference on each rank, as
     the parameters are) and ZeRO-3 (a partitioned reference in an engine of its
@@ -313,6 +317,7 @@ def test_ddp_and_zero_take_the_same_steps(learnt, tmp_path, env):
     assert all(abs(n - total / 2) < 0.05 * total for n in reference), reference  # partitioned, as the policy
 
 
+@pytest.mark.slow
 def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(learnt, tmp_path, env):
     """--precompute_reference: one pass before training, cached; full and LoRA
     DPO then log the steps of the runs that held a reference, and hold none."""
@@ -331,6 +336,7 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
         assert json.loads((tmp_path / name / "summary.json").read_text())["reference_params_per_rank"] is None
 
 
+@pytest.mark.slow
 def test_qlora_dpo_starts_at_ln2_and_moves_the_rewards(tmp_path, env):
     """QLoRA's code path on CPU (as test_lora runs it): the reference is the
     4-bit base with the adapters off."""

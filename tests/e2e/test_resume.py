@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import CONFIGS, REPO, check_ok, common_args, eval_rows, free_port, run_cli, train_rows
-from test_memory_planner import assert_predicted
+from e2e.test_memory_planner import assert_predicted
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,113 @@
+"""Unit tests of the command line: help, exit codes, what each command imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from finetune.config import config_fields
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_train_help_lists_every_option_with_its_default():
+    out = _cli("train", "--help").stdout
+    for f in config_fields():
+        assert f"--{f.name}" in out, f.name
+    assert out.count("(default:") == len(config_fields())
+
+
+def test_report_to_help_names_every_tracker_it_accepts():
+    from finetune.config import REPORTERS
+
+    out = _cli("train", "--help").stdout
+    text = " ".join(out[out.index("  --report_to STR"):].split("  --")[1].split())  # its help, wrapped lines joined
+    assert all(name in text for name in REPORTERS), text
+
+
+def test_help_is_grouped_and_offers_only_what_each_command_accepts():
+    from finetune.cli import OPTION_GROUPS
+
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in config_fields())  # every option in exactly one group
+    top = _cli("--help").stdout
+    assert "finetune configs" in top and "UsageError" not in top and "dispatch" not in top
+    train = _cli("train", "--help").stdout
+    headings = [line.rstrip(":") for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings[:8] == ["options", "model", "data", "training", "LoRA", "preference tuning",
+                            "checkpoints and outputs", "evaluation and logging"]
+    assert "--config FILE.yaml" in train and "--config " not in _cli("resume", "--help").stdout
+
+
+def test_console_exit_code_2_and_one_line_for_bad_input(tmp_path):
+    """A real process (the other bad inputs are in test_errors.py, in-process)."""
+    proc = _cli("train", "--max_step", "3", "--output_dir", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: unknown option --max_step; did you mean --max_steps?; see `finetune train --help`"
+    assert not (tmp_path / "run").exists()
+
+
+def test_top_level_help_lists_the_commands():
+    out = _cli("--help").stdout
+    for command in ("train", "resume", "export", "generate", "evaluate", "estimate-memory"):
+        assert command in out
+
+
+@pytest.mark.parametrize("kept_out", [False, True])
+def test_transformers_model_code_imports_torchao_unless_kept_out(kept_out):
+    """Guards finetune.cli.keep_torchao_out_of_transformers from both sides: the
+    import it saves happens without it, and not with it."""
+    pytest.importorskip("torchao")
+    script = f"""
+import sys
+from finetune.cli import keep_torchao_out_of_transformers
+if {kept_out}:
+    keep_torchao_out_of_transformers()
+from transformers import GPT2Config, GPT2LMHeadModel
+GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+print("torchao" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == str(not kept_out)
+
+
+@pytest.mark.parametrize("args, code", [(["configs"], 0), (["configs", "--path", "no-such-config"], 2)])
+def test_the_command_exits_with_its_code_after_the_atexit_hooks_and_its_output(args, code):
+    """`entry` skips the interpreter's teardown (os._exit), not what a normal exit does."""
+    script = f"""
+import atexit, sys
+from finetune import cli
+atexit.register(lambda: sys.stdout.write("hook ran\\n"))  # unflushed: the exit must flush it
+sys.argv = ["finetune", *{args!r}]
+cli.entry()
+print("not reached")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout.endswith("hook ran\n") and "not reached" not in proc.stdout
+    assert ("error:" in proc.stderr) == (code != 0)
+
+
+def test_help_and_configs_import_no_transformers():
+    """`finetune --help` and `finetune configs` stay instant: nothing imports transformers for them."""
+    script = """
+import contextlib, io, sys
+from finetune.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["configs"]) == 0
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass
+print("transformers" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "False"

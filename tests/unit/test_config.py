@@ -1,0 +1,54 @@
+"""Unit tests of the run config: YAML and the command line, validation, defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.config import TrainConfig, load_config
+from finetune.errors import UsageError
+
+
+def test_yaml_config_is_overridden_by_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 7\nlearning_rate: 0.01\nmodel: small-gpt2\n")
+    cfg = load_config(path, {"max_steps": "9"})
+    assert (cfg.max_steps, cfg.learning_rate, cfg.model) == (9, 0.01, "small-gpt2")
+
+
+def test_unknown_config_key_suggests_the_right_one(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rte: 0.01\n")
+    with pytest.raises(UsageError, match="unknown key 'learning_rte'.*did you mean 'learning_rate'"):
+        load_config(path, {})
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"max_steps": "-1"}, "--max_steps must be >= 0"),
+    ({"block_size": "0"}, "--block_size must be > 0"),
+    ({"validation_split": "1.5"}, "--validation_split must be between 0 and 1"),
+    ({"learning_rate": "abc"}, "learning_rate: expected float"),
+    ({"max_steps": "2.5"}, "max_steps: expected int"),
+    ({"task": "translation"}, "--task 'translation' is not supported"),
+])
+def test_bad_values_are_rejected_before_anything_runs(overrides, problem):
+    with pytest.raises(UsageError, match=problem):
+        load_config(None, overrides)
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(None, {"max_steps": "11", "overwrite": "true"}).resolved()
+    cfg.save(tmp_path / "run_config.yaml")
+    assert load_config(tmp_path / "run_config.yaml", {}) == cfg
+
+
+def test_defaults_follow_what_the_model_is():
+    scratch, tuned = load_config(None, {"model": "tiny-gpt2"}), load_config(None, {"model": "path/to/pretrained"})
+    assert (scratch.learning_rate, scratch.weight_decay, scratch.adam_beta2, scratch.lr_scheduler_type) == \
+        (1e-3, 0.1, 0.95, "cosine_with_min_lr")
+    assert (tuned.learning_rate, tuned.weight_decay, tuned.adam_beta2, tuned.lr_scheduler_type, tuned.warmup_ratio) == \
+        (5e-5, 0.0, 0.999, "linear", 0.03)
+    assert load_config(None, {"model": "path/to/pretrained", "learning_rate": 1e-4}).learning_rate == 1e-4
+
+
+def test_config_defaults_are_valid():
+    TrainConfig().validate()

@@ -1,0 +1,32 @@
+"""Unit tests of the memory planner's command."""
+
+from __future__ import annotations
+
+from conftest import REPO
+
+
+def test_estimate_memory_says_what_fits(capsys):
+    from finetune.cli import main
+
+    assert main(["estimate-memory", "--model", "gpt2-small", "--num_processes", "4", "--device_memory", "1.5GB",
+                 "--accelerate_config", str(REPO / "accelerate_configs" / "fsdp_shard_grad_op.yaml")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "---" not in line}
+    # 124,439,808 params: DDP holds 16 bytes each on every device, 4-way FSDP a quarter of that.
+    assert "| 497,759,232 | 497,759,232 | 995,518,464 |" in rows["DDP"]
+    assert "| 124,439,808 | 124,439,808 | 248,879,616 |" in rows["FSDP full shard"]
+    assert rows["DDP"].rstrip().endswith("| no |") and rows["FSDP full shard"].rstrip().endswith("| yes |")
+    assert "runs: FSDP SHARD_GRAD_OP" in out
+    # A CPU run's resident set: more than the tensors (the libraries, the heap); offload needs a GPU.
+    assert "| peak RSS, CPU run |" in out and "| GPU only |" in rows["FSDP + CPU offload (state in CPU RAM)"]
+    total, rss = (int(rows["FSDP full shard"].split("|")[i].split("(")[0].replace(",", "")) for i in (7, 8))
+    assert rss > total
+
+
+def test_estimate_memory_of_a_non_transformer_is_one_line(capsys):
+    from finetune.cli import main
+
+    assert main(["estimate-memory", "--model", "lecture-cnn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: estimate-memory models transformer causal LMs")
+    assert "lecture-cnn is an image-classification model" in err

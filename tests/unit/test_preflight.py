@@ -1,0 +1,72 @@
+"""Unit tests of the checks a training command makes before the libraries
+load (finetune/preflight.py, finetune/data/locations.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from finetune.data.locations import TEXT_FILES, locate
+from finetune.errors import UsageError
+
+
+def test_a_dataset_value_is_located_by_the_file_system_alone(tmp_path):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "train.txt").write_text("x\n")
+    (tmp_path / "dir" / "notes.md").write_text("x\n")
+    (tmp_path / "card").mkdir()
+    (tmp_path / "card" / "README.md").write_text("---\n---\n")
+    assert locate("builtin", TEXT_FILES).kind == "builtin"
+    assert locate("user/corpus", TEXT_FILES).kind == "hub"
+    assert locate(str(tmp_path / "card"), TEXT_FILES).kind == "card"
+    assert locate(str(tmp_path / "a.jsonl"), TEXT_FILES).files == (tmp_path / "a.jsonl",)
+    assert locate(str(tmp_path / "dir"), TEXT_FILES).files == (tmp_path / "dir" / "train.txt",)  # the task's types
+    assert locate(str(tmp_path / "*.jsonl"), TEXT_FILES).files == (tmp_path / "a.jsonl",)
+    for missing, words in ((str(tmp_path / "b.jsonl"), "does not exist"), ("./corpus", "does not exist"),
+                           ("notes.jsonl.gz", "does not exist"), (str(tmp_path / "*.parquet"), "matches no file")):
+        with pytest.raises(UsageError, match=words):
+            locate(missing, TEXT_FILES)
+
+
+def test_bad_paths_end_before_torch_transformers_or_datasets_load(tmp_path):
+    """Each case through `main`, as a rank runs it, in one fresh process: exit
+    2 and one line each, and none of the heavy libraries imported."""
+    (tmp_path / "notes.txt").write_text("some text\n")
+    (tmp_path / "a_file").write_text("")
+    data = str(tmp_path / "notes.txt")
+    cases = [
+        (["--dataset", str(tmp_path / "none.txt")], "none.txt does not exist"),
+        (["--dataset", data, str(tmp_path / "more.jsonl")], "more.jsonl does not exist"),
+        (["--dataset", str(tmp_path / "shard-*.jsonl.gz")], "matches no file"),
+        (["--dataset", data, "--model", str(tmp_path / "model_dir")], "model_dir does not exist"),
+        (["--dataset", data, "--model", str(tmp_path / "model.Q8_0.gguf")], "pass an existing .gguf file"),
+        (["--dataset", data, "--model", "tiny-gpt2", "--chat_template", str(tmp_path / "t.jinja")],
+         "t.jinja does not exist"),
+        (["--dataset", data, "--output_dir", str(tmp_path / "a_file")], "is a file, not a directory"),
+        (["--dataset", data, "--model", "lecture-cnn"], "is for --task image-classification"),
+        (["--dataset", data, "--method", "dpo", "--reference_model", "./gone"], "--reference_model ./gone does not"),
+    ]
+    script = f"""
+import contextlib, io, json, sys
+from finetune.cli import main
+results = []
+for args in {[args for args, _ in cases]!r}:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--output_dir", {str(tmp_path / "run")!r}, *args])
+    results.append((code, err.getvalue()))
+print(json.dumps({{"results": results, "loaded": [m for m in ("torch", "transformers", "datasets") if m in sys.modules]}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    for (args, words), (code, stderr) in zip(cases, found["results"]):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (args, stderr)
+    assert found["loaded"] == []
+    assert not (tmp_path / "run").exists()
