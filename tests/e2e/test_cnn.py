@@ -79,7 +79,7 @@ def test_resume_at_an_epoch_boundary_matches_the_uninterrupted_run(cnn_run, tmp_
     shutil.copy(cnn_run / "run_config.yaml", resumed)
     checkpoint = f"step_{2 * STEPS_PER_EPOCH:06d}"
     shutil.copytree(cnn_run / "checkpoints" / checkpoint, resumed / "checkpoints" / checkpoint)
-    check_ok(run_cli(["resume", str(resumed)], env, config="fsdp_cnn.yaml"))
+    check_ok(run_cli(["resume", str(resumed)], env, config="fsdp_cnn.yaml", warm=True))
 
     def after_epoch_2(run_dir):
         return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 2 * STEPS_PER_EPOCH]

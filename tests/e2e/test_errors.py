@@ -551,7 +551,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(checkpointed_run, tmp
     before = snapshot(run_dir / "checkpoints")
     final_before = snapshot(run_dir / "final")
     proc = run_cli(["resume", str(run_dir), "--max_steps", "20", "--checkpoint_every", "1",
-                    "--learning_rate", "1e6"], env, mixed_precision="no")
+                    "--learning_rate", "1e6"], env, mixed_precision="no", warm=True)
     line = launched_error(proc)
     # Step 13 starts from the step-12 weights, so its loss is finite; its update blows up. The checkpoint of
     # step S - 1 holds the weights that made the NaN at step S, so step S - 2 is the one to go back to.

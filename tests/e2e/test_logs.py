@@ -13,7 +13,7 @@ from conftest import check_ok, common_args, eval_rows, run_cli, train_rows
 def test_a_redirected_run_prints_plain_lines(tmp_path, env, small_corpus):
     run_dir = tmp_path / "run"
     proc = run_cli(["train", *common_args(small_corpus), "--max_steps", "7", "--log_every", "2", "--eval_every", "3",
-                    "--checkpoint_every", "3", "--output_dir", str(run_dir)], env, mixed_precision="no")
+                    "--checkpoint_every", "3", "--output_dir", str(run_dir)], env, mixed_precision="no", warm=True)
     check_ok(proc)
     output = proc.stdout + proc.stderr
     assert "\r" not in output

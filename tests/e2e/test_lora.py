@@ -222,7 +222,7 @@ def test_a_changed_base_is_refused(lora_run, gpt2_dir, tmp_path, env):
     assert not (tmp_path / "out").exists()
     before = sorted(p.name for p in (lora_run / "checkpoints").iterdir())
     # Typed in a plain shell: relaunched as the run was, and the workers' exit code comes back.
-    proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, nproc=None)
+    proc = run_cli(["resume", str(lora_run), "--model", str(changed), "--max_steps", "8"], env, nproc=None, warm=True)
     assert proc.returncode == 2 and "are not those the adapters" in proc.stderr, proc.stderr[-2000:]
     assert "relaunching" not in proc.stdout  # found before any process started
     assert not re.search(r"\[rank\d\]: Traceback", proc.stderr), proc.stderr[-3000:]  # no rank died with a traceback
@@ -265,7 +265,7 @@ def test_a_target_module_that_matches_nothing_is_one_line(tmp_path, env, small_c
     model_dir = save_chat_model(tmp_path / "llama")
     proc = run_cli(["train", "--model", str(model_dir), "--dataset", str(small_corpus), "--peft", "lora",
                     "--lora_target_modules", "q_proj,nothing_here", "--max_steps", "1",
-                    "--output_dir", str(tmp_path / "run")], env, nproc=None)
+                    "--output_dir", str(tmp_path / "run")], env, nproc=None, warm=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "names nothing_here, which matches no module" in errors[0], proc.stderr[-2000:]

@@ -63,7 +63,7 @@ def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_f
     # (the same global batch of 16): steps 3 and 4 as the HSDP run had them.
     resumed = tmp_path / "resumed"
     proc = run_cli(["train", *args, "--per_device_batch_size", "8", "--resume_from_checkpoint", str(checkpoint),
-                    "--output_dir", str(resumed)], env, nproc=2, mixed_precision="no")
+                    "--output_dir", str(resumed)], env, nproc=2, mixed_precision="no", warm=True)
     check_ok(proc)
     assert "checkpoint written by 4 rank(s), resuming on 2" in proc.stdout
     assert summary(resumed)["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
@@ -83,7 +83,7 @@ def test_hsdp_trains_as_fsdp_does_on_half_the_model_per_rank_and_resumes_under_f
     # ... and the reverse: flat FSDP's checkpoint of step 2 continues as HSDP.
     rehybrid = tmp_path / "rehybrid"
     check_ok(run_cli(["train", *args, "--resume_from_checkpoint", str(runs["fsdp.yaml"] / "checkpoints" / "step_000002"),
-                      "--output_dir", str(rehybrid)], env, nproc=4, config="hsdp.yaml", mixed_precision="no"))
+                      "--output_dir", str(rehybrid)], env, nproc=4, config="hsdp.yaml", mixed_precision="no", warm=True))
     assert summary(rehybrid)["parallelism"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
     assert [r["loss"] for r in train_rows(rehybrid)] == pytest.approx(flat_losses[2:], abs=1e-5)
 
@@ -146,14 +146,14 @@ def test_tensor_parallel_gives_one_process_losses_resumes_under_fsdp_and_exports
     resumed = tmp_path / "resumed"
     check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--checkpoint_every", "1",
                       "--resume_from_checkpoint", str(checkpoint), "--output_dir", str(resumed)],
-                     env, nproc=2, mixed_precision="no"))
+                     env, nproc=2, mixed_precision="no", warm=True))
     assert summary(resumed)["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
     assert [r["loss"] for r in train_rows(resumed)] == pytest.approx(split_losses[2:], abs=1e-4)
     # ... and the reverse: flat FSDP's checkpoint of step 3 continues split again.
     resplit = tmp_path / "resplit"
     check_ok(run_cli(["train", *args, "--per_device_batch_size", "4", "--resume_from_checkpoint",
                       str(resumed / "checkpoints" / "step_000003"), "--output_dir", str(resplit)],
-                     env, nproc=4, config="tp.yaml", mixed_precision="no"))
+                     env, nproc=4, config="tp.yaml", mixed_precision="no", warm=True))
     assert [r["loss"] for r in train_rows(resplit)] == pytest.approx(split_losses[3:], abs=1e-4)
 
     # Exported whole: the same weights as the one-process run's.

@@ -41,7 +41,8 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     os.symlink(smollm2, cache / "smollm2" / smollm2.name)
     run_dir = tmp_path / "run"
     proc = subprocess.run(["bash", "scripts/quickstart.sh", "--max_steps", "3", "--max_train_samples", "48",
-                           "--max_eval_samples", "8", "--checkpoint_every", "3", "--output_dir", str(run_dir)],
+                           "--max_eval_samples", "8", "--checkpoint_every", "0", "--checkpoint_at_end", "false",
+                           "--output_dir", str(run_dir)],
                           cwd=REPO, env={**env, "FINETUNE_CACHE": str(cache), "FINETUNE_VENV": sys.prefix},
                           capture_output=True, text=True, timeout=900)
     check_ok(proc)
@@ -54,6 +55,7 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2 and summary["data_format"] == "chat"
+    assert not (run_dir / "checkpoints").exists()  # none asked for: final/ alone
     local = summary["local_params_per_rank"]
     assert sum(local) == summary["total_params"] > 100_000_000 and max(local) - min(local) < 0.01 * sum(local)
     assert AutoConfig.from_pretrained(run_dir / "final").architectures == ["LlamaForCausalLM"]
@@ -65,8 +67,9 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     assert card.data.license == "apache-2.0"  # as the GGUF base states it
     assert "LoRA" not in card.text and "| Data | `builtin` (chat)" in card.text
 
-    # The fine-tuned model as GGUF: the same token ids, and its logits within
-    # f16 rounding (f16) or within the bound measured for q8_0 on this model (3.5e-2).
+    # The fine-tuned model as GGUF (the default type; every type is checked on the
+    # small families in unit/test_gguf_export.py): the same token ids, and its
+    # logits within f16 rounding.
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,17 +79,15 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     with torch.no_grad():
         reference = AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()(ids).logits
-    for gguf_type, bound in (("f16", 4e-3), ("q8_0", 6e-2)):
-        out = tmp_path / f"smollm2-{gguf_type}.gguf"
-        check_ok(run_in_process("export", run_dir / "final", "--format", "gguf", "--gguf_type", gguf_type,
-                                "--output", out))
-        assert AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)(prompt)["input_ids"] == ids[0].tolist()
-        import gguf
+    import gguf
 
-        assert gguf.GGUFReader(str(out)).fields["general.license"].contents() == "apache-2.0"  # the card's, in the file
-        with torch.no_grad():
-            read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
-                                                             dtype=torch.float32).eval()(ids).logits
-        error = ((read_back - reference).abs().max() / reference.abs().max()).item()
-        assert error < bound, (gguf_type, error)
-        assert_same_next_tokens_beyond_ties(read_back, reference)
+    out = tmp_path / "smollm2-f16.gguf"
+    check_ok(run_in_process("export", run_dir / "final", "--format", "gguf", "--gguf_type", "f16", "--output", out))
+    assert AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)(prompt)["input_ids"] == ids[0].tolist()
+    assert gguf.GGUFReader(str(out)).fields["general.license"].contents() == "apache-2.0"  # the card's, in the file
+    with torch.no_grad():
+        read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name,
+                                                         dtype=torch.float32).eval()(ids).logits
+    error = ((read_back - reference).abs().max() / reference.abs().max()).item()
+    assert error < 4e-3, error
+    assert_same_next_tokens_beyond_ties(read_back, reference)

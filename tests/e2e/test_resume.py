@@ -118,7 +118,7 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     assert any("exp_avg_sq" in k for k in before)
 
     # ... and training goes on from step 7 with the checkpointed_run run's LR.
-    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no"))
+    check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no", warm=True))
     full = {r["step"]: r for r in train_rows(checkpointed_run)}
     resumed = train_rows(run_dir)
     assert [r["step"] for r in resumed] == list(range(7, 13))
