@@ -6,11 +6,13 @@ libraries load (sources.locate, models.load_config): here they only come first."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.data.locations import locate
 from finetune.errors import UsageError, not_a_file
+from finetune.mesh_request import check_mesh_size
 from finetune.run_dir import check_run_dir
 from finetune.tasks import REGISTRY, check_preset_task, task_of_preset
 
@@ -29,6 +31,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat_template {cfg.chat_template} {not_a_file(Path(cfg.chat_template))}; pass a Jinja "
                          "template file")
+    check_mesh_size(int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def check_model_named(model: str, option: str) -> None:

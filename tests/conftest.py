@@ -135,6 +135,12 @@ def launch_options(nproc: int, config: str, mixed_precision: str | None, extra_l
     return options + ["--mixed_precision", mixed_precision] if mixed_precision else options
 
 
+def config_values(config: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((CONFIGS / config).read_text()) if config.endswith(".yaml") else {}
+
+
 def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fsdp.yaml",
             mixed_precision: str | None = None, timeout: int = 300, extra_launch: Sequence[str] = (),
             warm: bool = False) -> subprocess.CompletedProcess:
@@ -174,6 +180,9 @@ class WarmRanks:
     run's peak RSS against a bound launches it afresh."""
 
     KEPT = 6  # launches kept waiting; each holds its ranks' memory
+    # What a command reads when it runs, not when its ranks start: set for that
+    # command alone, so that one launch serves runs with and without it.
+    PER_COMMAND_ENV = ("FINETUNE_QLORA_ON_CPU",)
     running: dict[tuple, WarmRanks] = {}
 
     def __init__(self, options: list[str] | None, env: dict):
@@ -197,7 +206,9 @@ class WarmRanks:
                      timeout: float) -> list[subprocess.CompletedProcess]:
         """Commands on launches of different options at the same time (each
         launch one command), for independent runs whose ranks leave cores idle."""
-        keys = [(options and tuple(without_port(options)), tuple(sorted(env.items()))) for _, options in commands]
+        launch_env = {k: v for k, v in env.items() if k not in cls.PER_COMMAND_ENV}
+        command_env = {k: v for k, v in env.items() if k in cls.PER_COMMAND_ENV}
+        keys = [(options and launch_key(options), tuple(sorted(launch_env.items()))) for _, options in commands]
         assert len(set(keys)) == len(keys), "one command per launch"
         launches = []
         for key, (args, options) in zip(keys, commands):
@@ -205,8 +216,8 @@ class WarmRanks:
             if ranks is None or ranks.launcher.poll() is not None:
                 while len(cls.running) + len(commands) > cls.KEPT:
                     cls.running.pop(next(iter(cls.running))).close()
-                ranks = WarmRanks(options, env)
-            launches.append((key, ranks, ranks.submit(args)))
+                ranks = WarmRanks(options, launch_env)
+            launches.append((key, ranks, ranks.submit(args, command_env)))
         deadline = time.monotonic() + timeout
         procs = [ranks.collect(n, args, deadline) for (_, ranks, n), (args, _) in zip(launches, commands)]
         for (key, ranks, _), proc in zip(launches, procs):
@@ -216,10 +227,10 @@ class WarmRanks:
                 ranks.close(at_once=True)
         return procs
 
-    def submit(self, args: list[str]) -> int:
+    def submit(self, args: list[str], env: dict[str, str]) -> int:
         n, self.n = self.n, self.n + 1
         scratch = self.queue / f"cmd-{n}.json.tmp"
-        scratch.write_text(json.dumps({"argv": args}))
+        scratch.write_text(json.dumps({"argv": args, "env": env}))
         scratch.replace(self.queue / f"cmd-{n}.json")
         return n
 
@@ -263,9 +274,17 @@ class WarmRanks:
             cls.running.popitem()[1].close(at_once=True)
 
 
-def without_port(options: list[str]) -> list[str]:
-    i = options.index("--main_process_port")
-    return options[:i] + options[i + 2:]
+def launch_key(options: list[str]) -> tuple[str, ...]:
+    """What makes two launches the same: their options but the port, and but
+    those equal to what the config file sets (its num_processes or mixed_precision)."""
+    own = config_values(Path(options[options.index("--config_file") + 1]).name)
+    key, rest = [], iter(options)
+    for option in rest:
+        value = next(rest) if option in ("--main_process_port", "--num_processes", "--mixed_precision") else None
+        if option == "--main_process_port" or (value is not None and str(own.get(option[2:])) == value):
+            continue
+        key += [option] if value is None else [option, value]
+    return tuple(key)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -109,6 +109,7 @@ def serve(queue: Path) -> None:
         request = json.loads(command.read_text())
         if request.get("exit"):
             return
+        os.environ.update(request.get("env", {}))  # this command's own; forget_the_last_run sets them back
         code = run_one(request["argv"], queue / f"out-{n}-{rank}", queue / f"err-{n}-{rank}")
         forget_the_last_run(environment, handlers)
         write_atomically(queue / f"done-{n}-{rank}", str(code))

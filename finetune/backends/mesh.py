@@ -15,15 +15,12 @@ shard G keeps every per-layer collective inside a node.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 
 from finetune.errors import UsageError
-
-ENV_PREFIX = "PARALLELISM_CONFIG_"  # what `accelerate launch` sets from the config's parallelism_config keys
-
+from finetune.mesh_request import check_mesh_size, requested_mesh
 
 @dataclass(frozen=True)
 class Mesh:
@@ -39,22 +36,6 @@ class Mesh:
                  f"{self.dp_shard} shards" if self.dp_shard > 1 else "",
                  f"tensor parallel {self.tp}" if self.tp > 1 else ""]
         return " x ".join(p for p in parts if p) or "1 rank"
-
-
-def requested_mesh() -> dict[str, int] | None:
-    """The sizes the launch asks for (accelerate's names without the prefix:
-    dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size); None when it
-    sets no parallelism_config."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
-    sizes = {}
-    for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
-        value = os.environ.get(ENV_PREFIX + name.upper(), "1")
-        if not value.isdigit() or int(value) < 1:
-            raise UsageError(f"parallelism_config_{name}: {value!r} is not a positive number of ranks; "
-                             "set it in the accelerate config or with --parallelism_config_" + name)
-        sizes[name] = int(value)
-    return sizes
 
 
 def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on_gpu: bool) -> None:
@@ -78,11 +59,7 @@ def check_requested_mesh(world_size: int, takes: frozenset[str], layout: str, on
         raise UsageError(f"the parallelism_config asks for {', '.join(unsupported)}, which this launch's backend "
                          f"({layout}) does not lay a model out on; launch replicas and shards (HSDP) with "
                          "`--config_file $(finetune configs --path hsdp)`")
-    product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
-    if product != world_size:
-        raise UsageError(f"the parallelism_config mesh is dp_replicate {sizes['dp_replicate_size']} x dp_shard "
-                         f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
-                         f"were launched; make the sizes multiply to --num_processes (or launch {product})")
+    check_mesh_size(world_size)
     if "dp_shard" in takes and sizes["dp_shard_size"] == 1 and world_size > 1:
         if sizes["tp_size"] > 1:
             raise UsageError(f"tensor parallel {sizes['tp_size']} on {world_size} processes leaves FSDP nothing to "

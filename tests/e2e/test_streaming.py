@@ -233,6 +233,9 @@ def stream_data(tmp_path_factory) -> dict[str, Path]:
             "template": chat_template}
 
 
+STOPPED_STEPS = 20  # the stop lands after the first checkpoint (step 4), mid-stream
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["text", "packed chat"])
 def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind, stream_data, tmp_path, env):
@@ -242,7 +245,7 @@ def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind,
     data = (["--dataset", stream_data["text"]] if kind == "text" else
             ["--dataset", stream_data["chat"], "--packing", "--chat_template", stream_data["template"],
              "--block_size", "128"])
-    args = [*STREAM_ARGS, *data, "--max_steps", "40", "--checkpoint_every", "4"]
+    args = [*STREAM_ARGS, *data, "--max_steps", str(STOPPED_STEPS), "--checkpoint_every", "4"]
     whole = tmp_path / "whole"
     check_ok(run_cli(["train", *args, "--output_dir", whole], env, mixed_precision="no", warm=True))
 
@@ -260,11 +263,11 @@ def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind,
     _, err = launcher.communicate(timeout=120)
     stop = re.search(r"stopped: SIGTERM at step (\d+)", err)
     assert stop, err[-3000:]
-    assert int(stop.group(1)) < 40
+    assert int(stop.group(1)) < STOPPED_STEPS
     check_ok(run_cli(["resume", stopped], env, mixed_precision="no", timeout=300, warm=True))  # a run, not a launch
 
     expected, got = train_rows(whole), train_rows(stopped)
-    assert [r["step"] for r in got] == list(range(1, 41))
+    assert [r["step"] for r in got] == list(range(1, STOPPED_STEPS + 1))
     assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(expected, got)), [
         (a["step"], a["loss"], b["loss"]) for a, b in zip(expected, got) if abs(a["loss"] - b["loss"]) > 1e-6]
     summaries = [json.loads((run / "summary.json").read_text()) for run in (whole, stopped)]
