@@ -364,10 +364,14 @@ def leave_the_word_to_rank_zero() -> None:
         time.sleep(0.1)
 
 
-def _run(cfg: TrainConfig) -> int:
+def _run(cfg: TrainConfig, default_run_dir: bool = False) -> int:
+    """`default_run_dir`: cfg.output_dir is the default, named from this rank's clock."""
     from finetune.preflight import check_before_loading
+    from finetune.run_dir import named_by_rank_zero
 
     check_before_loading(cfg)  # before the libraries load: a wrong path fails in a second, not after 10 s of imports
+    if default_run_dir:
+        cfg.output_dir = named_by_rank_zero(cfg.output_dir, cfg.ddp_timeout)
     keep_torchao_out_of_transformers()
     from finetune.inference import generate_text
     from finetune.report import eval_line
@@ -385,7 +389,8 @@ def _run(cfg: TrainConfig) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    return _run(load_config(args.config, _overrides(args)).resolved())
+    cfg = load_config(args.config, _overrides(args))
+    return _run(cfg.resolved(), default_run_dir=not cfg.output_dir)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

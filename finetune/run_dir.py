@@ -1,14 +1,16 @@
 """The checks of an --output_dir that need nothing but the file system: they run
 first, before the libraries load (seconds on every rank), so a wrong dir fails
-at once."""
+at once. And the default run dir's name, which every rank must agree on."""
 
 from __future__ import annotations
 
+import itertools
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.errors import UsageError
+from finetune.errors import RankLost, UsageError
 
 if TYPE_CHECKING:
     from finetune.config import TrainConfig
@@ -53,3 +55,36 @@ def first_link_inside(run_dir: Path) -> Path | None:
         if Path(parent) == run_dir:
             dirs[:] = [d for d in dirs if d not in TRACKER_DIRS]
     return None
+
+
+# Runs this process has named: every rank of a launch names the same runs in
+# the same order, so the count tells one run's name from the next's (ranks
+# that run several commands, as the tests' warm ranks do).
+_NAMED = itertools.count()
+
+
+def named_by_rank_zero(local_name: str, timeout_s: int) -> str:
+    """The default run dir (outputs/TASK-TIME) as rank 0 named it. Each rank
+    reads its own clock, and two ranks may read it a second apart: they would
+    write two run dirs. Before the process group exists, the ranks share the
+    launcher's store (torchrun's, at MASTER_ADDR:MASTER_PORT), where rank 0
+    leaves its name for the others."""
+    n = next(_NAMED)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return local_name
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        raise UsageError("the ranks of this launch cannot agree on a default run dir before they connect (no "
+                         "torchrun store); pass --output_dir, or launch with accelerate launch or torchrun")
+    from torch.distributed import TCPStore
+
+    key = f"finetune/default_run_dir/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{n}"
+    try:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+        if os.environ.get("RANK", "0") == "0":
+            store.set(key, local_name)
+            return local_name
+        return store.get(key).decode()
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        raise RankLost(f"rank 0 did not name the run dir within {timeout_s} s (--ddp_timeout); it stopped before "
+                       "training: see its error above, or pass --output_dir") from None

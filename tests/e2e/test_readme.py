@@ -4,10 +4,13 @@ for which are left out and why), and what they promise."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 
-from conftest import README_SKIPPED, REPO, readme_commands
+from conftest import README_SKIPPED, REPO, check_ok, free_port, readme_commands
 
 pytestmark = pytest.mark.slow
 
@@ -64,3 +67,41 @@ def test_readme_multinode_plan_is_what_the_planner_prints(readme_workdir):
     # What the prose draws from them.
     assert "Recommended: FSDP 8 x TP 8:" in plan
     assert "Recommended: HSDP 8 x 8 with activation checkpointing" in plan
+
+
+# Rank 1 reads a clock one second ahead of rank 0's: what two ranks may do on a loaded machine.
+CLOCK_A_SECOND_AHEAD = '''
+import os, time
+if os.environ.get("RANK") == "1":
+    _strftime = time.strftime
+
+    def strftime(format, t=None):
+        return _strftime(format, time.localtime(time.time() + 1) if t is None else t)
+    time.strftime = strftime
+'''
+
+
+def test_the_own_files_command_as_written_makes_one_run_dir_when_the_ranks_clocks_differ(tmp_path, env):
+    """The README's "on your own files" command, its placeholders stood in for
+    by a small model dir and notes.jsonl, launched as written (no
+    --output_dir: the default run dir, named from the clock): rank 1's clock
+    is a second ahead, and the run still writes one run dir."""
+    from sft_models import save_chat_model
+
+    command = next(c for c in readme_commands() if "--text_column body" in c)
+    save_chat_model(tmp_path / "path" / "to" / "hf_model_dir")
+    words = "the model reads a file and returns its lines sorted by length then writes them back".split()
+    notes = [{"body": f"note {i}: " + " ".join(words[(i + j) % len(words)] for j in range(60))} for i in range(120)]
+    (tmp_path / "path" / "to" / "notes.jsonl").write_text("".join(json.dumps(n) + "\n" for n in notes))
+    (tmp_path / "accelerate_configs").symlink_to(REPO / "accelerate_configs")
+    (tmp_path / "clock").mkdir()
+    (tmp_path / "clock" / "sitecustomize.py").write_text(CLOCK_A_SECOND_AHEAD)
+    words = shlex.split(command)
+    assert words[:2] == ["accelerate", "launch"] and "--output_dir" not in words
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+                           *words[2:]], env={**env, "PYTHONPATH": str(tmp_path / "clock")}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    run_dirs = list((tmp_path / "outputs").iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "final" / "config.json").is_file(), run_dirs
+    assert f"run dir: outputs/{run_dirs[0].name}" in proc.stdout
