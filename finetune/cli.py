@@ -434,6 +434,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
+    without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.export import export_checkpoint, export_gguf
 
@@ -460,6 +461,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
+    without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import generate_text
 
@@ -474,6 +476,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
+    without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import evaluate_model_dir
 
@@ -603,6 +606,17 @@ def keep_torchao_out_of_transformers() -> None:
     def unavailable(*args, **kwargs) -> bool:
         return False
     transformers.utils.is_torchao_available = transformers.utils.import_utils.is_torchao_available = unavailable
+
+
+def without_deepspeed_engines() -> None:
+    """export, generate and evaluate build no DeepSpeed engine: Accelerate's
+    unwrap (which save_pretrained calls, converting a GGUF file) is told so, as
+    a training run on another backend tells it (backends/base.py). Otherwise it
+    imports DeepSpeed wherever it is installed: 1.8 s here, and a warning on
+    stdout, inside the text `generate` prints."""
+    from finetune.backends.ddp import OneProcess
+
+    OneProcess().import_libraries()
 
 
 def run_command(argv: list[str] | None) -> int:

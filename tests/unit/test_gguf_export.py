@@ -339,3 +339,25 @@ def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dir
     assert out.read_bytes() == b"the user's own file"
     check_ok(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out, "--overwrite"))
     assert out.read_bytes()[:4] == b"GGUF"
+
+
+def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text(model_dirs, tmp_path, env):
+    """The first read of a GGUF file converts it (save_pretrained, whose unwrap
+    imported DeepSpeed wherever installed, and DeepSpeed's warning landed in
+    the text `generate` prints on stdout)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "llama.gguf"
+    check_ok(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out))
+    script = f"""
+import sys
+from finetune.cli import main
+code = main(["generate", {str(out)!r}, "--prompt", "the model", "--max_new_tokens", "3"])
+print("deepspeed imported:", "deepspeed" in sys.modules)
+sys.exit(code)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**env, "FINETUNE_CACHE": str(tmp_path / "cache")},
+                          capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    assert "converting" in proc.stderr  # the conversion ran in this process
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "deepspeed imported: False" and lines[0].startswith("the model"), proc.stdout
