@@ -251,7 +251,8 @@ class WarmRanks:
         read = lambda name: "".join((self.queue / f"{name}-{n}-{rank}").read_text()  # noqa: E731
                                     for rank in range(self.nproc) if (self.queue / f"{name}-{n}-{rank}").exists())
         stderr = read("err") + ("" if all(path.exists() for path in done) else self.launcher_log())
-        return subprocess.CompletedProcess(args, 1 if any(codes) else 0, read("out"), stderr)
+        # A rank's own exit code (the first that failed), as `python -m finetune` would leave it.
+        return subprocess.CompletedProcess(args, next((code for code in codes if code), 0), read("out"), stderr)
 
     def launcher_log(self) -> str:
         self.log.flush()

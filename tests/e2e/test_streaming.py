@@ -264,7 +264,7 @@ def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind,
     stop = re.search(r"stopped: SIGTERM at step (\d+)", err)
     assert stop, err[-3000:]
     assert int(stop.group(1)) < STOPPED_STEPS
-    check_ok(run_cli(["resume", stopped], env, mixed_precision="no", timeout=300, warm=True))  # a run, not a launch
+    check_ok(run_cli(["resume", stopped], env, nproc=None, timeout=300))
 
     expected, got = train_rows(whole), train_rows(stopped)
     assert [r["step"] for r in got] == list(range(1, STOPPED_STEPS + 1))
@@ -387,7 +387,7 @@ def test_a_shard_damaged_mid_stream_stops_every_rank_in_one_line_and_keeps_the_c
     run = tmp_path / "run"
     proc = run_cli(["train", *STREAM_ARGS, "--dataset", data, "--max_steps", "200", "--checkpoint_every", "5",
                     "--per_device_batch_size", "16", "--block_size", "64", "--output_dir", run], env,
-                   mixed_precision="no", warm=True)
+                   mixed_precision="no")
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "could not read --dataset" in errors[0] and "part-way through" in errors[0], output[-3000:]
