@@ -66,3 +66,23 @@ def write_failure_fix(reason: str, where: object, out_of_space: bool = False) ->
         if any(cause.lower() in reason.lower() for cause in causes):
             return fix.format(where=where)
     return f"remove the cause named in parentheses (under {where})"
+
+
+def why_it_cannot_be_made(path: Path) -> str | None:
+    """Why `path` (a file or dir to write) cannot be made where it is named, or
+    None: its nearest existing ancestor is a file, is read-only, or takes no new
+    entries (/proc, /sys). Tried for real, with an empty dir made and removed,
+    since the permission bits say nothing of the file system under them."""
+    import errno
+    import os
+    import tempfile
+
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".finetune-probe-", dir=existing))
+    except OSError as e:
+        return f"{existing} is read-only" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else \
+            f"{existing} takes no new files: {e.strerror}"
+    return None

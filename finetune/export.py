@@ -20,7 +20,7 @@ from finetune.backends import REGISTRY as BACKENDS, weights_in
 from finetune.backends.base import Backend
 from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
 from finetune.config import data_options, load_config
-from finetune.errors import UsageError, write_failure_fix
+from finetune.errors import UsageError, why_it_cannot_be_made, write_failure_fix
 from finetune.model_card import checkpoint_record, write_model_card
 from finetune.model_dir import check_output_dir, read_generation_config, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
@@ -141,10 +141,8 @@ def check_output_file(output: Path, overwrite: bool) -> None:
         raise UsageError(f"--output {output} is a directory; name the .gguf file to write")
     if output.exists() and not overwrite:
         raise UsageError(f"--output {output} exists; pass --overwrite or choose another --output")
-    parent = output.absolute().parent
-    existing = next(p for p in [parent, *parent.parents] if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UsageError(f"cannot write {output} ({existing} is not a writable directory); choose another --output")
+    if problem := why_it_cannot_be_made(output.absolute().parent):
+        raise UsageError(f"cannot write {output}: it is not in a writable directory ({problem}); choose another --output")
 
 
 def export_gguf(source: str | Path, output: str | Path, gguf_type: str = "f16", overwrite: bool = False,

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from finetune.errors import UsageError
+from finetune.errors import UsageError, why_it_cannot_be_made
 from finetune.lock import process_alive
 from finetune.tasks import task_for_config
 
@@ -58,10 +58,8 @@ def check_output_dir(out_dir: Path, overwrite: bool) -> None:
         raise UsageError(f"output {out_dir} is a file, not a directory; choose another --output")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UsageError(f"output dir {out_dir} exists and is not empty; pass --overwrite or choose another --output")
-    parent = out_dir.absolute().parent
-    existing = next(p for p in [parent, *parent.parents] if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise UsageError(f"cannot write to {out_dir} ({existing} is not a writable directory); choose another --output")
+    if problem := why_it_cannot_be_made(out_dir.absolute().parent):
+        raise UsageError(f"cannot write to {out_dir}: it is not in a writable directory ({problem}); choose another --output")
 
 
 def remove_dead_temporaries(out_dir: Path) -> None:

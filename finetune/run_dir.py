@@ -10,7 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.errors import RankLost, UsageError
+from finetune.errors import RankLost, UsageError, why_it_cannot_be_made
 
 if TYPE_CHECKING:
     from finetune.config import TrainConfig
@@ -22,12 +22,9 @@ def check_run_dir(cfg: TrainConfig) -> None:
     run_dir = Path(cfg.output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
-    writable = next(p for p in [run_dir, *run_dir.absolute().parents] if p.exists())
-    if not writable.is_dir():
-        raise UsageError(f"--output_dir {run_dir} cannot be made: {writable} is a file; choose another --output_dir")
-    if not os.access(writable, os.W_OK):
-        raise UsageError(f"--output_dir {run_dir} cannot be written ({writable} is read-only); choose another "
-                         "--output_dir")
+    if problem := why_it_cannot_be_made(run_dir):
+        raise UsageError(f"--output_dir {run_dir} cannot be {'made' if 'file' in problem else 'written'} "
+                         f"({problem}); choose another --output_dir")
     if link := first_link_inside(run_dir):
         kind = "directory" if link.is_dir() else "file"
         raise UsageError(f"{link} is a symbolic link (to {os.readlink(link)}); a run never writes or removes through "

@@ -202,7 +202,7 @@ def _bad(tmp_path: Path, checkpointed_run: Path, case: str) -> tuple[list, Path]
     ("missing shard", "__1_0.distcp is missing"),
     ("truncated shard", "__1_0.distcp is truncated"),
     ("non-empty output", "exists and is not empty; pass --overwrite"),
-    ("unwritable output", "is not a writable directory"),
+    ("unwritable output", "is not in a writable directory"),
 ])
 def test_bad_export_input_is_one_line_and_leaves_the_output_alone(checkpointed_run, tmp_path, env, case, message):
     args, target = _bad(tmp_path, checkpointed_run, case)

@@ -228,6 +228,24 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_ends_with_one_line(tmp_pa
     assert verify_checkpoint(checkpoints / "step_000002").step == 2
 
 
+@pytest.mark.parametrize("command", ["train", "export", "export gguf"])
+@pytest.mark.parametrize("where", ["/proc/finetune-test/out", "/sys/finetune-test/out"])
+def test_an_output_on_a_file_system_that_takes_no_new_files_is_one_line(command, where, tmp_path):
+    """/proc refuses new entries (ENOENT), /sys is read-only: the permission
+    bits allow both to root, so only trying tells."""
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    args = {"train": ["train", "--model", "tiny-gpt2", "--dataset", "builtin", "--output_dir", where],
+            "export": ["export", source, "--output", where],
+            "export gguf": ["export", source, "--format", "gguf", "--output", where + ".gguf"]}[command]
+    proc = run_in_process(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = one_error_line(proc.stderr)
+    assert "/proc" in line or "/sys" in line, line
+    assert "choose another --output" in line, line
+
+
 @pytest.mark.slow
 def test_a_read_only_output_dir_is_refused_before_training(tmp_path, env):
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
