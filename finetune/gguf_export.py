@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from finetune.errors import UsageError, first_line
+from finetune.model_dir import default_file_mode
 
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a whole number of blocks
 
@@ -396,7 +398,12 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     generation_config = read_generation_config(model_dir)
     plan = plan_tensors(stored, config, family, gguf_type)
 
-    scratch = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    # A new file of ours (O_EXCL, a name nobody could guess), not whatever a
+    # predictable name beside the output may already be (a planted link).
+    fd, scratch = tempfile.mkstemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.absolute().parent)
+    os.close(fd)
+    scratch = Path(scratch)
+    os.chmod(scratch, default_file_mode())  # mkstemp's file is its owner's alone
     writer = gguf.GGUFWriter(str(scratch), family.arch)
     try:
         writer.add_name(name or model_dir.name)

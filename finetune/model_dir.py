@@ -164,12 +164,22 @@ def atomic_dir(out_dir: Path):
         raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
     try:
         yield tmp
+        for file in tmp.rglob("*"):  # safetensors writes its files readable by their owner alone
+            if file.is_file() and not file.is_symlink():
+                os.chmod(file, default_file_mode())
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def default_file_mode() -> int:
+    """What open() gives a new file here: 0o666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_model_dir(weights: dict[str, torch.Tensor] | Weights, config: PretrainedConfig, out_dir: str | Path, *,

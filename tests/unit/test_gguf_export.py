@@ -7,6 +7,7 @@ what it cannot convert in one line, leaving any existing file alone."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -361,3 +362,28 @@ sys.exit(code)
     assert "converting" in proc.stderr  # the conversion ran in this process
     lines = proc.stdout.splitlines()
     assert lines[-1] == "deepspeed imported: False" and lines[0].startswith("the model"), proc.stdout
+
+
+def test_a_link_planted_at_the_scratch_name_is_not_written_through_and_files_get_the_usual_mode(model_dirs, tmp_path):
+    """The scratch file the export writes before renaming it: a name beside
+    the output that anyone may guess (this process's id), where a link to
+    another file could stand. And what it writes is readable as any file
+    (safetensors and mkstemp make their files their owner's alone)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    out = tmp_path / "model.gguf"
+    (tmp_path / f".{out.name}.tmp-{os.getpid()}").symlink_to(victim)
+    check_ok(run_in_process("export", model_dirs["gpt2"], "--format", "gguf", "--output", out))
+    assert victim.read_text() == "keep" and gguf.GGUFReader(str(out)).tensors
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model_dir import write_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["gpt2"])
+    written = write_model_dir(model.state_dict(), model.config, tmp_path / "written", max_shard_size=10**5)
+    assert len(list(written.glob("*.safetensors"))) > 1
+    assert {f.name: f.stat().st_mode & 0o777 for f in written.iterdir()} == \
+        {f.name: 0o666 & ~umask for f in written.iterdir()}
