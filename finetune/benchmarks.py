@@ -14,13 +14,15 @@ model (a base the quickstart fetches) is scored as its converted dir.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from finetune.errors import UsageError, first_line
 from finetune.hardware import cpu_has_native_bf16
-from finetune.model_card import LM_EVAL_RESULTS, refresh_model_card
+from finetune.model_card import CARD, LM_EVAL_RESULTS, refresh_model_card
+from finetune.model_dir import is_own_file, replace_file
 
 SHIPPED_TASKS = Path(__file__).parent / "lm_eval_tasks"
 
@@ -103,19 +105,24 @@ def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = No
     record = read_results(model_dir)
     record["results"].update(scores)
     record["settings"].update({task: settings for task in scores})
-    (model_dir / LM_EVAL_RESULTS).write_text(json.dumps(record, indent=2))
-    refresh_model_card(model_dir)
+    # Files of ours, each replaced whole: never written through a link that stands at its name.
+    replace_file(model_dir / LM_EVAL_RESULTS, json.dumps(record, indent=2))
+    if not refresh_model_card(model_dir) and (model_dir / CARD).exists():
+        print(f"left {model_dir / CARD} as it is: it is not the card finetune wrote (the scores are in "
+              f"{LM_EVAL_RESULTS})", file=sys.stderr)
     summary = model_dir.parent / "summary.json"
-    if model_dir.name == "final" and summary.is_file():
+    if model_dir.name == "final" and is_own_file(summary):
         facts = json.loads(summary.read_text())
         facts["lm_eval"] = record["results"]
-        summary.write_text(json.dumps(facts, indent=2))
+        replace_file(summary, json.dumps(facts, indent=2))
     return {"results": scores, **settings}
 
 
 def read_results(model_dir: Path) -> dict:
     """Earlier scores of the dir (other tasks are kept; the same task's are replaced)."""
     try:
+        if not is_own_file(model_dir / LM_EVAL_RESULTS):
+            raise OSError("none, or a link")
         record = json.loads((model_dir / LM_EVAL_RESULTS).read_text())
     except (OSError, ValueError):
         record = {}

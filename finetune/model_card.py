@@ -11,15 +11,15 @@ card, or a GGUF base's `general.license`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from finetune.model_dir import read_json_object
+from finetune.model_dir import is_own_file, read_json_object, replace_file
 from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
 CARD = "README.md"
@@ -179,8 +179,8 @@ def adapter_usage(model_dir: Path, base: str) -> list[str]:
     return ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
             f'base = AutoModelForCausalLM.from_pretrained("{base}")',
             f'model = PeftModel.from_pretrained(base, "{model_dir}")  # or .merge_and_unload() for one model', "```",
-            "", f"A merged model dir, or a GGUF file: `finetune export RUN --output DIR` "
-                f"(`--format gguf --output NAME.gguf`)."]
+            "", "A merged model dir, or a GGUF file: `finetune export RUN --output DIR` "
+                "(`--format gguf --output NAME.gguf`)."]
 
 
 def usage(model_dir: Path, gguf_family: bool) -> list[str]:
@@ -260,20 +260,29 @@ def metrics_rows(path: Path) -> list[dict]:
 def write_model_card(model_dir: Path, config, record: RunRecord | None) -> Path:
     """README.md (and the run's loss.png beside it) in a model dir this tool wrote."""
     if record is not None and record.loss_plot is not None:
-        shutil.copyfile(record.loss_plot, model_dir / "loss.png")
-    if record is not None:
-        (model_dir / CARD_RECORD).write_text(json.dumps({"config": record.config, "facts": record.facts}, indent=2))
+        replace_file(model_dir / "loss.png", record.loss_plot.read_bytes())
+    card = model_card(model_dir, config, record)
+    if record is not None:  # with the card's hash: a later refresh rewrites this card, never one its user wrote
+        replace_file(model_dir / CARD_RECORD, json.dumps({"config": record.config, "facts": record.facts,
+                                                          "card_sha256": sha256(card)}, indent=2))
+    replace_file(model_dir / CARD, card)
+    return model_dir / CARD
+
+
+def refresh_model_card(model_dir: Path) -> bool:
+    """The card again, with the scores the dir holds now: only where README.md
+    is still the card this tool wrote (False: left as it is)."""
+    saved = read_json_object(model_dir / CARD_RECORD) if is_own_file(model_dir / CARD_RECORD) else {}
     card = model_dir / CARD
-    card.write_text(model_card(model_dir, config, record))
-    return card
-
-
-def refresh_model_card(model_dir: Path) -> None:
-    """The card again, with the scores the dir holds now (a card this tool wrote only)."""
-    saved = read_json_object(model_dir / CARD_RECORD)
-    if not (model_dir / CARD).is_file() or not isinstance(saved.get("config"), dict):
-        return
+    if (not is_own_file(card) or not isinstance(saved.get("config"), dict)
+            or saved.get("card_sha256") != sha256(card.read_text(encoding="utf-8", errors="replace"))):
+        return False
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    (model_dir / CARD).write_text(model_card(model_dir, config, RunRecord(saved["config"], saved.get("facts") or {})))
+    write_model_card(model_dir, config, RunRecord(saved["config"], saved.get("facts") or {}))
+    return True
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

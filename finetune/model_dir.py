@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,25 @@ def atomic_dir(out_dir: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_file(path: Path, data: str | bytes) -> None:
+    """`path` written whole as a new file, then renamed over what stood there:
+    never written through a link standing at that name, never half written."""
+    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(scratch, default_file_mode())
+        os.replace(scratch, path)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+
+
+def is_own_file(path: Path) -> bool:
+    """A regular file, not a link that may lead anywhere."""
+    return path.is_file() and not path.is_symlink()
 
 
 def default_file_mode() -> int:

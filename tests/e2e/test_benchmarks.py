@@ -60,3 +60,28 @@ def test_bad_benchmark_input_is_one_line(checkpointed_run, tmp_path):
     proc = run_in_process("evaluate", tmp_path, "--tasks", TASK)
     assert proc.returncode == 2 and "no config.json" in one_error_line(proc.stderr)
     assert not (final / "lm_eval_results.json").exists()  # the shared run is left as it was
+
+
+def test_scores_never_go_through_links_nor_over_a_card_its_user_wrote(checkpointed_run, tmp_path):
+    """The files `evaluate --tasks` writes in a model dir and its run: links
+    standing at their names lead outside, and are replaced, never written
+    through (summary.json, not ours to replace there, is left alone); a
+    README.md its user rewrote stays theirs."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(checkpointed_run, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    final = run_dir / "final"
+    outside = {name: tmp_path / f"outside-{name}" for name in ("lm_eval_results.json", "summary.json")}
+    for name, target in outside.items():
+        target.write_text("not yours")
+    (final / "lm_eval_results.json").symlink_to(outside["lm_eval_results.json"])
+    (run_dir / "summary.json").unlink()
+    (run_dir / "summary.json").symlink_to(outside["summary.json"])
+    (final / "README.md").write_text("# My model\n\nNotes I wrote.\n")
+    proc = run_in_process("evaluate", final, "--tasks", TASK, "--limit", "4")
+    check_ok(proc)
+    assert all(target.read_text() == "not yours" for target in outside.values())
+    results = final / "lm_eval_results.json"
+    assert not results.is_symlink() and TASK in json.loads(results.read_text())["results"]
+    assert (run_dir / "summary.json").is_symlink()
+    assert (final / "README.md").read_text() == "# My model\n\nNotes I wrote.\n"
+    assert f"left {final / 'README.md'} as it is" in proc.stderr
