@@ -182,4 +182,8 @@ def checked_record(launch: Any, run_dir: Path) -> dict:
             raise _refuse(run_dir, "has a deepspeed_config that is not a mapping")
         if writers := _deepspeed_writers(deepspeed):
             raise _refuse(run_dir, f"has a DeepSpeed config that writes files of its own ({', '.join(writers[:3])})")
+    named = ((checked["accelerate_config"] or {}).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if named not in (None, "none") and deepspeed is None:
+        # Only a JSON the record holds (checked above) is replayed; a file it names is read as it is now.
+        raise _refuse(run_dir, f"names a DeepSpeed config file ({str(named)[:80]}) without holding its content")
     return checked
