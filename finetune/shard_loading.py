@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from transformers import PretrainedConfig
 
+from finetune.errors import UsageError
 from finetune.model_dir import Weights, tied_duplicates
 from finetune.parameters import canonical_name
 
@@ -102,13 +103,30 @@ def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
     """Every tensor of a dir written by save_pretrained in safetensors (one
     file, or shards with an index); None for other layouts."""
     if (model_dir / SAFETENSORS_INDEX).is_file():
-        weight_map = json.loads((model_dir / SAFETENSORS_INDEX).read_text())["weight_map"]
-        files = sorted({model_dir / file for file in weight_map.values()})
+        files = indexed_files(model_dir)
     elif (model_dir / SAFETENSORS_FILE).is_file():
         files = [model_dir / SAFETENSORS_FILE]
     else:
         return None
     return {name: tensor for file in files for name, tensor in read_header(file).items()}
+
+
+def indexed_files(model_dir: Path) -> list[Path]:
+    """The weight files a model dir's index names: file names in that dir
+    only. The index may come from anyone; a path in it (absolute, ../) would
+    have weights read from anywhere."""
+    index = model_dir / SAFETENSORS_INDEX
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise UsageError(f"{index} is not a safetensors index (a JSON weight_map of tensor names to file names); "
+                         "write the model dir again with save_pretrained") from None
+    for name in sorted(names, key=str):
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise UsageError(f"{index} names the weight file {str(name)[:120]!r}, which is not a file in "
+                             f"{model_dir}; an index names the files beside it: fix it, or write the model dir again")
+    return sorted(model_dir / name for name in names)
 
 
 def base_name(name: str) -> str:

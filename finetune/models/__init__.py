@@ -97,6 +97,10 @@ def check_model_files(model_dir: Path, what: str) -> None:
 
     from safetensors import SafetensorError, safe_open
 
+    from finetune.shard_loading import SAFETENSORS_INDEX, indexed_files
+
+    if (model_dir / SAFETENSORS_INDEX).is_file():
+        indexed_files(model_dir)  # transformers joins what the index names to the dir, wherever it leads
     safetensors = sorted(model_dir.glob("*.safetensors"))
     for file in safetensors:
         try:

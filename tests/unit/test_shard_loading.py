@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+
+from finetune.errors import UsageError
 
 
 def test_own_shards_read_what_from_pretrained_loads(tmp_path):
@@ -77,3 +82,22 @@ def test_bf16_loaded_weights_held_in_fp32_without_writing_the_placeholders(tmp_p
     upcast_trainable(big, written=False)
     assert resident_bytes() - before < 50 * 2**20
     assert all(p.dtype == torch.float32 for p in big.parameters())
+
+
+@pytest.mark.parametrize("named", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/model.safetensors", 7])
+def test_an_index_that_names_files_outside_its_dir_is_refused(tmp_path, named):
+    """A model dir may come from anyone: its index names the files beside it, nothing else."""
+    from safetensors.torch import save_file
+
+    from finetune.models import check_model_files
+    from finetune.shard_loading import stored_tensors
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    save_file({"v": torch.zeros(2)}, str(model_dir / "model-00001-of-00001.safetensors"))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"v": "model-00001-of-00001.safetensors", "w": named}}))
+    for read in (stored_tensors, lambda d: check_model_files(d, "--model")):
+        with pytest.raises(UsageError, match="which is not a file in .*an index names the files beside it"):
+            read(model_dir)
