@@ -34,6 +34,7 @@ def locate(dataset: str, file_builders: dict[str, str]) -> Location:
         return Location("builtin")
     path = Path(dataset)
     if path.is_dir() and (path / "README.md").is_file():  # a dataset card: datasets reads its configs and files
+        check_card_stays_inside(path)
         return Location("card")
     if path.exists():
         return Location("files", (path,) if path.is_file() else tuple(sorted(
@@ -52,3 +53,39 @@ def data_suffix(path: Path) -> str:
     """A data file's type: .jsonl for both x.jsonl and x.jsonl.gz."""
     suffixes = [s.lower() for s in path.suffixes]
     return suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
+
+
+def check_card_stays_inside(path: Path) -> None:
+    """A dataset dir's card may name data files (`configs: data_files`): only
+    paths inside the dir. Anything else (an absolute path, ../, a URL) would be
+    read without being the dir the command line named, nor fingerprinted with
+    it for a resume."""
+    import yaml
+
+    text = (path / "README.md").read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return
+    try:
+        card = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return  # datasets names what is wrong with it
+    configs = card.get("configs") if isinstance(card, dict) else None
+    for config in configs if isinstance(configs, list) else []:
+        files = config.get("data_files") if isinstance(config, dict) else None
+        for named in _named_paths(files):
+            parts = Path(named).parts
+            if Path(named).is_absolute() or ".." in parts or named.startswith("~") or "://" in named:
+                raise UsageError(f"--dataset {path}: its README.md card names the data file {named[:120]!r}, outside "
+                                 "the dir; a card names files inside its dir: move the data in, or pass the files "
+                                 "as --dataset")
+
+
+def _named_paths(files) -> list[str]:
+    """The paths of a card's data_files: a path, a list of them, {split: paths} or [{split, path}]."""
+    if isinstance(files, str):
+        return [files]
+    if isinstance(files, dict):
+        return [p for key, value in files.items() if key != "split" for p in _named_paths(value)]
+    if isinstance(files, list):
+        return [p for item in files for p in _named_paths(item)]
+    return []

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO
 from finetune.data.locations import TEXT_FILES, locate
@@ -70,3 +71,19 @@ print(json.dumps({{"results": results, "loaded": [m for m in ("torch", "transfor
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (args, stderr)
     assert found["loaded"] == []
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("named", ["/etc/passwd", "../secret/*.jsonl", "~/notes.jsonl", "hf://datasets/x/y.csv"])
+def test_a_dataset_card_that_names_files_outside_its_dir_is_refused(tmp_path, named):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "x"}\n')
+    for files in ([{"split": "train", "path": "train.jsonl"}, {"split": "test", "path": named}], named,
+                  {"train": ["train.jsonl", named]}):
+        (data / "README.md").write_text("---\n" + yaml.safe_dump({"configs": [{"config_name": "default",
+                                                                              "data_files": files}]}) + "---\n")
+        with pytest.raises(UsageError, match="its README.md card names the data file .*outside the dir"):
+            locate(str(data), TEXT_FILES)
+    (data / "README.md").write_text("---\n" + yaml.safe_dump({"configs": [{"config_name": "default", "data_files": [
+        {"split": "train", "path": "train*.jsonl"}]}]}) + "---\n# My data\n")
+    assert locate(str(data), TEXT_FILES).kind == "card"
