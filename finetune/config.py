@@ -46,6 +46,7 @@ METHOD_OPTIONS = {"dpo_beta": ("dpo", "simpo"), "max_prompt_length": ("dpo", "si
                   "reference_model": ("dpo",), "precompute_reference": ("dpo",), "simpo_gamma": ("simpo",)}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 MIXTURE_STOPS = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets' names
+MIN_SHARE_TO_EXHAUST = 1e-6  # under all_exhausted, a rarer source would take ~10^6 draws per example of its own
 SEVERAL_VALUES = {"dataset": str, "dataset_weights": float}  # options that take a list, and its element type
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
@@ -104,7 +105,10 @@ def byte_count(text: str) -> int:
     """80GB, 80GiB, 500MB or a plain number of bytes; ValueError for anything else or <= 0."""
     lowered = str(text).strip().lower()
     suffix = next((u for u in BYTE_UNITS if lowered.endswith(u)), "")
-    value = int(float(lowered[: len(lowered) - len(suffix)]) * BYTE_UNITS.get(suffix, 1))
+    number = float(lowered[: len(lowered) - len(suffix)]) * BYTE_UNITS.get(suffix, 1)
+    if not math.isfinite(number):  # inf, nan: no size
+        raise ValueError(f"must be a finite size, got {text!r}")
+    value = int(number)
     if value <= 0:
         raise ValueError(f"must be > 0, got {text!r}")
     return value
@@ -355,9 +359,14 @@ class TrainConfig:
         if weights and len(weights) != len(sources):
             raise UsageError(f"--dataset_weights has {len(weights)} weight(s) for {len(sources)} --dataset source(s); "
                              "give one weight per source, in the same order")
-        if weights and not (all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0):
+        if weights and not (all(math.isfinite(w) and w >= 0 for w in weights) and 0 < sum(weights) < math.inf):
             raise UsageError(f"--dataset_weights {' '.join(f'{w:g}' for w in weights)} must be numbers >= 0 with a "
-                             "positive sum; pass e.g. 0.8 0.2")
+                             "positive, finite sum; pass e.g. 0.8 0.2")
+        if weights and self.mixture_stop == "all_exhausted" and min(weights) / sum(weights) < MIN_SHARE_TO_EXHAUST:
+            rare = sources[weights.index(min(weights))]
+            raise UsageError(f"--dataset_weights gives {rare} a share of {min(weights) / sum(weights):.3g}: under "
+                             "--mixture_stop all_exhausted every source must run out, and one drawn that rarely "
+                             "never would; raise its weight, drop the source, or stop at first_exhausted")
         if len(sources) > 1 and (self.task != "causal-lm" or self.method != "sft"):
             raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method sft; train "
                              f"{self.task if self.task != 'causal-lm' else '--method ' + self.method} on one --dataset")

@@ -29,6 +29,13 @@ def test_unknown_config_key_suggests_the_right_one(tmp_path):
     ({"learning_rate": "abc"}, "learning_rate: expected float"),
     ({"max_steps": "2.5"}, "max_steps: expected int"),
     ({"task": "translation"}, "--task 'translation' is not supported"),
+    ({"max_shard_size": "inf"}, "--max_shard_size 'inf' is not a size"),
+    ({"max_shard_size": "nanGB"}, "--max_shard_size 'nanGB' is not a size"),
+    ({"dataset": ["builtin", "builtin"], "dataset_weights": ["1e308", "1e308"]}, "a positive, finite sum"),
+    ({"dataset": ["builtin", "builtin"], "dataset_weights": ["1", "0"], "mixture_stop": "all_exhausted"},
+     "every source must run out"),
+    ({"dataset": ["builtin", "builtin"], "dataset_weights": ["1", "1e-9"], "mixture_stop": "all_exhausted"},
+     "a share of 1e-09"),
 ])
 def test_bad_values_are_rejected_before_anything_runs(overrides, problem):
     with pytest.raises(UsageError, match=problem):
