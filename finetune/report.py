@@ -202,7 +202,7 @@ def summary_markdown(summary: dict, run_dir: Path) -> str:
         f"- Mixed precision: {summary['mixed_precision']}",
         f"- Steps: {summary['steps']} in {summary['train_time_s']:.1f} s; final train loss "
         + (f"{summary['final_loss']:.4f}" if summary["final_loss"] is not None else "n/a"),
-        f"- V{eval_line(summary)[1:]} (loss {summary['last_eval']['eval_loss']:.4f})",
+        f"- V{eval_line(summary)[1:]}",  # the line names the loss too
         f"- Peak memory per rank: {', '.join(mib)} MiB",
         f"- Final model: `{summary['final_model_dir']}`",
         "",

@@ -199,6 +199,7 @@ def test_summary_md_says_how_the_run_went(fsdp_run):
     assert ", ".join(f"{n:,}" for n in facts["local_params_per_rank"]) in text
     first, last = facts["first_eval"]["perplexity"], facts["last_eval"]["perplexity"]
     assert f"Validation perplexity: {first:.4f} -> {last:.4f}" in text
+    assert text.count(f"{facts['last_eval']['eval_loss']:.4f})") == 1  # the loss once, not repeated after the line
     assert facts["final_model_dir"] in text
 
 
