@@ -278,7 +278,7 @@ class TrainConfig:
     def source_weights(self) -> list[float]:
         """Each source's share of the examples drawn (summing to 1)."""
         weights = self.dataset_weights or [1.0] * len(self.sources)
-        return [w / sum(weights) for w in weights]
+        return [round(w / sum(weights), 12) for w in weights]  # 0.6, not 0.6000000000000001 in summary.json
 
     def validate(self) -> None:
         positive = ["lora_r", "block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]

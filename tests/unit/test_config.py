@@ -59,3 +59,9 @@ def test_defaults_follow_what_the_model_is():
 
 def test_config_defaults_are_valid():
     TrainConfig().validate()
+
+
+def test_source_weights_are_the_shares_as_written():
+    cfg = TrainConfig(dataset=["a", "b", "c"], dataset_weights=[0.6, 0.3, 0.1])
+    assert cfg.source_weights == [0.6, 0.3, 0.1]  # not 0.6000000000000001 in summary.json
+    assert TrainConfig(dataset=["a", "b"], dataset_weights=[2, 6]).source_weights == [0.25, 0.75]
