@@ -47,10 +47,10 @@ def check_gguf_header(path: Path) -> None:
     with path.open("rb") as f:
         head = f.read(24)
     if len(head) < 24 or head[:4] != b"GGUF":
-        raise UsageError(f"--model {path} is not a GGUF file (no GGUF header); pass a .gguf model file")
+        raise UsageError(f"{path} is not a GGUF file (no GGUF header); pass a .gguf model file")
     version, tensors, keys = struct.unpack("<IQQ", head[4:24])
     if version not in (2, 3) or tensors > MAX_GGUF_ENTRIES or keys > MAX_GGUF_ENTRIES:
-        raise UsageError(f"--model {path}: its GGUF header is not one a model has (version {version}, {tensors} "
+        raise UsageError(f"{path}: its GGUF header is not one a model has (version {version}, {tensors} "
                          f"tensors, {keys} keys); the file is damaged or not a model: fetch it again")
 
 
@@ -58,7 +58,7 @@ def converted_dir(gguf_path: str) -> Path:
     """The HF model dir of a GGUF file, converted on first use."""
     path = Path(gguf_path)
     if not path.is_file():
-        raise UsageError(f"--model {gguf_path} {not_a_file(path)}; pass an existing .gguf file")
+        raise UsageError(f"{gguf_path} {not_a_file(path)}; pass an existing .gguf file")
     check_gguf_header(path)
     target = cache_root() / "gguf" / f"{path.stem}-{file_digest(path)[:16]}"
     if (target / "config.json").is_file():
@@ -66,18 +66,23 @@ def converted_dir(gguf_path: str) -> Path:
     try:
         import gguf  # noqa: F401  (transformers needs it to read the file)
     except ImportError:
-        raise UsageError(f"--model {gguf_path} needs the gguf package: pip install 'finetune[gguf]'") from None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        raise UsageError(f"{gguf_path} needs the gguf package: pip install 'finetune[gguf]'") from None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {path} into a model dir (once, cached in {target})", file=sys.stderr, flush=True)
     try:
         with each_file_parsed_once():
-            quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                             trust_remote_code=False)
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+            if getattr(config, "n_ctx", None) and hasattr(config, "n_positions"):
+                # GPT-2's position table holds the file's context length; transformers' reader
+                # sets only n_ctx from it and sizes the table at its default 1024.
+                config.n_positions = config.n_ctx
+            quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                             dtype=torch.float32, trust_remote_code=False)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001  (a parser of an untrusted binary: any failure is the file's)
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UsageError(f"could not read --model {gguf_path} as GGUF ({reason}); pass a whole GGUF file of an "
+        raise UsageError(f"could not read {gguf_path} as GGUF ({reason}); pass a whole GGUF file of an "
                          "architecture transformers supports") from None
     config = quantized.config
     if hasattr(config, "quantization_config"):
@@ -86,13 +91,16 @@ def converted_dir(gguf_path: str) -> Path:
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     model.tie_weights()
     if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is restored by tie_weights
-        raise UsageError(f"--model {gguf_path}: its weights do not fit {type(model).__name__} (missing "
+        raise UsageError(f"{gguf_path}: its weights do not fit {type(model).__name__} (missing "
                          f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); pass a supported GGUF file")
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)  # atomic: a half-written dir is never taken for the model
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    print(f"converted: {size / 1e6:,.0f} MB in {target}, read again for this file (FINETUNE_CACHE moves it; "
+          "delete the dir to free the space)", file=sys.stderr, flush=True)
     return target
 
 

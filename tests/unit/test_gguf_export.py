@@ -342,13 +342,21 @@ def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dir
     assert out.read_bytes()[:4] == b"GGUF"
 
 
-def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text(model_dirs, tmp_path, env):
+def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text(tmp_path, env):
     """The first read of a GGUF file converts it (save_pretrained, whose unwrap
     imported DeepSpeed wherever installed, and DeepSpeed's warning landed in
-    the text `generate` prints on stdout)."""
+    the text `generate` prints on stdout). A GPT-2 of 128 positions, as the
+    README's tiny-gpt2: transformers' reader sized its position table at 1024."""
     pytest.importorskip("deepspeed")
-    out = tmp_path / "llama.gguf"
-    check_ok(run_in_process("export", model_dirs["llama"], "--format", "gguf", "--output", out))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tokenizer), n_positions=128,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                    ).save_pretrained(tmp_path / "gpt2-128")
+    tokenizer.save_pretrained(tmp_path / "gpt2-128")
+    out = tmp_path / "gpt2-128.gguf"
+    check_ok(run_in_process("export", tmp_path / "gpt2-128", "--format", "gguf", "--output", out))
     script = f"""
 import sys
 from finetune.cli import main
