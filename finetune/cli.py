@@ -381,10 +381,13 @@ def _run(cfg: TrainConfig, default_run_dir: bool = False) -> int:
     if is_rank_zero():
         print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}\n{eval_line(summary)}")
         if cfg.sample_prompt and REGISTRY[cfg.task].generative:
+            # The prompt is shown: the default ("The") is not one the user typed.
             if summary["data_format"] in ("chat", "instruction"):  # the prompt is a question to answer
-                print(f"answer: {generate_text(summary['final_model_dir'], cfg.sample_prompt, 60, chat=True)!r}")
+                answer = generate_text(summary["final_model_dir"], cfg.sample_prompt, 60, chat=True)
+                print(f"fine-tuned model's answer to {cfg.sample_prompt!r}: {answer!r}")
             else:
-                print(f"sample: {generate_text(summary['final_model_dir'], cfg.sample_prompt)!r}")
+                sample = generate_text(summary["final_model_dir"], cfg.sample_prompt)
+                print(f"fine-tuned model's sample, from the prompt {cfg.sample_prompt!r}: {sample!r}")
     return 0
 
 

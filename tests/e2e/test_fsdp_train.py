@@ -31,7 +31,7 @@ def fsdp_run(tmp_path_factory, env) -> Path:
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
     proc = run_cli([*BUILTIN_20_STEPS, "--output_dir", str(run_dir)], env, warm=True)
     check_ok(proc)
-    assert "final model:" in proc.stdout and "sample:" in proc.stdout
+    assert "final model:" in proc.stdout and "fine-tuned model's sample, from the prompt 'The': '" in proc.stdout
     return run_dir
 
 

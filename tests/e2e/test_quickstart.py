@@ -51,7 +51,7 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     assert re.search(r"base model's answer: \S", out), out
     before, after = map(float, re.search(r"validation perplexity: ([\d.]+) -> ([\d.]+)", out).groups())
     assert after < before
-    assert re.search(r"answer: '\S", out.split("validation perplexity")[1]), out
+    assert re.search(r"fine-tuned model's answer to 'What does the Python .*': '\S", out.split("validation perplexity")[1]), out
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2 and summary["data_format"] == "chat"
