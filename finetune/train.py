@@ -395,7 +395,8 @@ def after_step(run: Run, result: StepResult) -> None:
     progress.step += 1
     run.heartbeats.beat()
     if not math.isfinite(loss):
-        raise UsageError(non_finite_loss_message(loss, progress.step, run.run_dir, cfg.learning_rate))
+        raise UsageError(non_finite_loss_message(loss, progress.step, run.run_dir, cfg.learning_rate,
+                                                 first=run.last_loss is None))
     run.last_loss = loss
     progress.epoch_loss_sum += loss
     progress.epoch_steps += 1
@@ -441,9 +442,14 @@ def evaluation_due(cfg: TrainConfig, progress: TrainingProgress, epoch_end: bool
     return bool(every_steps or every_epochs)
 
 
-def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate: float) -> str:
+def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate: float, first: bool = False) -> str:
     """The weights after step - 1 produced the bad loss, so a checkpoint of
-    that step is not a good one to go back to."""
+    that step is not a good one to go back to. `first`: the first step this
+    process trained, on the weights it loaded: no update of its own made them."""
+    if first:
+        return (f"the loss is {loss} at step {step}, the first this run trained, before any update of its own: the "
+                "weights it started from or the data give it, not the learning rate; check --model (or the "
+                "checkpoint resumed) and the data, and --model_dtype float32 if the model is in half precision")
     good = [c for c in complete_checkpoints(run_dir) if checkpoint_step(c) < step - 1]
     lower = f"{learning_rate / 10:g}"
     if not good:

@@ -114,3 +114,12 @@ def test_after_step_refuses_a_non_finite_loss_and_names_the_checkpoint_to_go_bac
     with pytest.raises(UsageError, match="the loss is nan at step 5.*newest checkpoint whose weights still gave a "
                                          "finite loss is .*step_000003"):
         after_step(run, step(float("nan")))
+
+
+def test_a_non_finite_first_loss_is_not_blamed_on_the_learning_rate(tmp_path):
+    """The first step's loss comes from the weights the run loaded, before any update of its own."""
+    run = make_run(tmp_path / "run")
+    with pytest.raises(UsageError, match="the loss is inf at step 1, the first this run trained, before any update "
+                                         "of its own: the weights it started from or the data give it") as refused:
+        after_step(run, step(float("inf")))
+    assert "--learning_rate" not in str(refused.value)
