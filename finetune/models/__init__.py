@@ -125,29 +125,30 @@ def check_model_files(model_dir: Path, what: str) -> None:
                              "model's tokenizer with save_pretrained") from None
 
 
-def load_config(name_or_path: str, trust_remote_code: bool, presets: str) -> PretrainedConfig:
+def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option: str = "--model") -> PretrainedConfig:
     """The HF config of a Hub id or a local HF model dir, with errors that say
-    what to do (`presets` names the presets to suggest instead); a local dir's
-    weight and tokenizer files are checked too."""
+    what to do (`presets` names the presets to suggest instead, `option` the
+    option that named it); a local dir's weight and tokenizer files are checked too."""
     path = Path(name_or_path)
     if path.exists() and not (path / "config.json").is_file():
-        raise UsageError(f"--model {name_or_path} is not a model directory (no config.json); "
-                         f"pass a dir written by save_pretrained, a Hub id, or a preset ({presets})")
+        instead = f", a Hub id, or a preset ({presets})" if presets else " or a Hub id"
+        raise UsageError(f"{option} {name_or_path} is not a model directory (no config.json); "
+                         f"pass a dir written by save_pretrained{instead}")
     if path.is_dir():
-        check_model_files(path, f"--model {name_or_path}")
+        check_model_files(path, f"{option} {name_or_path}")
     try:
         return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UsageError(f"could not load --model {name_or_path} ({first_line(e)}); pass a local HF model dir, "
-                         f"a reachable Hub id, or a preset ({presets})") from None
+        raise UsageError(f"could not load {option} {name_or_path} ({first_line(e)}); pass a local HF model dir, "
+                         f"a reachable Hub id{f', or a preset ({presets})' if presets else ''}") from None
 
 
 def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, trust_remote_code: bool,
-                    presets: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+                    presets: str, dtype: torch.dtype = torch.float32, option: str = "--model") -> PreTrainedModel:
     """`auto_class.from_pretrained` in `dtype`, with errors that say what to do."""
     try:
         return auto_class.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
                                           dtype=dtype)
     except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights that do not fit the config
-        raise UsageError(f"could not load --model {name_or_path} ({first_line(e)}); pass a local HF model dir, "
-                         f"a reachable Hub id, or a preset ({presets})") from None
+        raise UsageError(f"could not load {option} {name_or_path} ({first_line(e)}); pass a local HF model dir, "
+                         f"a reachable Hub id{f', or a preset ({presets})' if presets else ''}") from None

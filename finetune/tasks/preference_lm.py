@@ -87,9 +87,9 @@ class PreferenceLM(CausalLM):
         if not cfg.reference_model:
             reference = self.base_model(tokenizer)
         else:
-            config = models.load_config(cfg.reference_model, cfg.trust_remote_code, "")
+            config = models.load_config(cfg.reference_model, cfg.trust_remote_code, "", option="--reference_model")
             reference = models.load_pretrained(cfg.reference_model, self.entry.auto(), config, cfg.trust_remote_code,
-                                               "", dtype=getattr(torch, cfg.model_dtype))
+                                               "", dtype=getattr(torch, cfg.model_dtype), option="--reference_model")
             if reference.config.vocab_size != vocab_size:
                 raise UsageError(f"--reference_model {cfg.reference_model} has {reference.config.vocab_size} tokens "
                                  f"and --model {cfg.model} {vocab_size}; the reference must score the same tokens: "
