@@ -34,7 +34,8 @@ def find_model_weights(path: str | Path) -> tuple[Backend, Path]:
     model weights in it, with the backend whose layout they are in."""
     path = Path(path)
     if not path.is_dir():
-        raise UsageError(f"{path} does not exist; pass a run dir or a checkpoints/step_NNNNNN dir")
+        what = "is a file" if path.exists() else "does not exist"
+        raise UsageError(f"{path} {what}; pass a run dir or a checkpoints/step_NNNNNN dir")
     if (path / "checkpoints").is_dir():
         found = complete_checkpoints(path)
         if not found:

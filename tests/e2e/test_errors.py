@@ -307,6 +307,8 @@ OTHER_COMMANDS = {
                                                      "-1"], "--max_new_tokens: must be > 0, got -1"),
     "generate with an empty prompt": (lambda t, run: ["generate", run / "final", "--prompt", " "], "--prompt is empty"),
     "a model dir that does not exist": (lambda t, run: ["evaluate", t / "no_model"], "no_model does not exist"),
+    "export of a file": (lambda t, run: ["export", run / "summary.json", "--output", t / "out"],
+                         "summary.json is a file; pass a run dir or a checkpoints/step_NNNNNN dir"),
     "evaluate with batch 0": (lambda t, run: ["evaluate", run / "final", "--per_device_batch_size", "0"],
                               "--per_device_batch_size: must be > 0, got 0"),
     "evaluate with a block longer than the model": (lambda t, run: ["evaluate", run / "final", "--block_size", "4096"],
