@@ -53,6 +53,9 @@ def split_pair(row: dict, where: str) -> tuple[Any, Any, Any]:
     lists of completion messages. Refuses a row that is neither, names it."""
     prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
     if all(isinstance(v, str) for v in (chosen, rejected)):
+        if prompt is not None and not isinstance(prompt, str):
+            raise UsageError(f"{where}: with string chosen and rejected, the prompt must be a string too, got "
+                             f"{type(prompt).__name__}; or give chosen and rejected as lists of messages")
         if not all(_nonempty_string(v) for v in (prompt, chosen, rejected)):
             empty = [name for name, v in (("prompt", prompt), *zip(SIDES, (chosen, rejected)))
                      if not _nonempty_string(v)]
@@ -66,6 +69,11 @@ def split_pair(row: dict, where: str) -> tuple[Any, Any, Any]:
         if not prompt or not chosen or not rejected:
             raise UsageError(f"{where}: chosen and rejected share no leading prompt message, or one of them is "
                              "nothing but that prompt; give the pair a prompt column, or fix it")
+    elif isinstance(prompt, str):  # then both sides must be strings too: one of them is not
+        kinds = " and ".join(f"{name} {type(side).__name__ if side is not None else 'missing'}"
+                             for name, side in zip(SIDES, (chosen, rejected)))
+        raise UsageError(f"{where}: with a string prompt, chosen and rejected must be strings too, got {kinds}; "
+                         "fix that pair")
     else:
         if not isinstance(prompt, list) or not prompt:
             raise UsageError(f"{where}: the prompt must be a string or a non-empty list of messages, got "
