@@ -255,6 +255,9 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_add_eos_token(tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
     if isinstance(tokenizer.chat_template, str):
         writer.add_chat_template(tokenizer.chat_template)
+    elif isinstance(tokenizer.chat_template, dict):  # named templates (default, tool_use, ...), as llama.cpp keeps them
+        writer.add_chat_template([{"name": name, "template": template}
+                                  for name, template in tokenizer.chat_template.items() if isinstance(template, str)])
 
 
 def write_provenance(writer, model_dir: Path) -> None:

@@ -395,3 +395,20 @@ def test_a_link_planted_at_the_scratch_name_is_not_written_through_and_files_get
     assert len(list(written.glob("*.safetensors"))) > 1
     assert {f.name: f.stat().st_mode & 0o777 for f in written.iterdir()} == \
         {f.name: 0o666 & ~umask for f in written.iterdir()}
+
+
+def test_named_chat_templates_are_kept_as_llama_cpp_keeps_them(model_dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "named"
+    shutil.copytree(model_dirs["llama"], model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tool_use = CHATML.replace("<|im_start|>", "<|im_start|>tools ")
+    tokenizer.chat_template = {"default": CHATML, "tool_use": tool_use}
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir).chat_template == {"default": CHATML, "tool_use": tool_use}
+    out = tmp_path / "named.gguf"
+    check_ok(run_in_process("export", model_dir, "--format", "gguf", "--output", out))
+    fields = gguf_fields(out)
+    assert fields["tokenizer.chat_template"] == CHATML
+    assert fields["tokenizer.chat_template.tool_use"] == tool_use
