@@ -366,6 +366,31 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
     return plan
 
 
+def check_config_fits_tensors(config, stored: dict, model_dir: Path) -> None:
+    """The hyperparameters the file will carry are config.json's, and llama.cpp
+    sizes every tensor from them: a config that does not describe the weights
+    (another layer count, width or vocabulary) makes a file it cannot load."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            expected = {name: tuple(p.shape) for name, p in
+                        AutoModelForCausalLM.from_config(config, trust_remote_code=False).state_dict().items()}
+    except Exception as e:  # noqa: BLE001  (a damaged config fails anywhere in the model's constructor)
+        raise UsageError(f"{model_dir}/config.json describes no model transformers can build ({first_line(e)[:160]}); "
+                         "fix config.json or export the model again") from None
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = {name: tuple(t.shape) for name, t in stored.items() if not name.endswith(NOT_WEIGHTS)}
+    for name in sorted(expected.keys() | weights.keys()):
+        if name.endswith(NOT_WEIGHTS) or (tied and name == "lm_head.weight" and name not in weights):
+            continue
+        if expected.get(name) != weights.get(name):
+            found = weights.get(name, "missing")
+            wanted = expected.get(name, "no such tensor")
+            raise UsageError(f"{model_dir}/config.json does not describe its weights: {name} is {found} in the files "
+                             f"and {wanted} by the config; fix config.json or export the model again")
+
+
 def read_tensor(source) -> torch.Tensor:
     tensor = torch.empty(source.shape, dtype=source.dtype)
     source.read_rows(0, tensor)
@@ -386,7 +411,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     check_model_files(model_dir, str(model_dir))  # weights and tokenizer whole, before anything trusts them
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class: OSError, ZeroDivisionError, ...)
         raise UsageError(f"could not read the model config of {model_dir} ({first_line(e)}); pass a whole model dir "
                          "(an export, a run's final/)") from None
     family = family_of(config)
@@ -399,6 +424,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
         raise UsageError(f"GGUF export needs the model's tokenizer, and {model_dir} has none it can read "
                          f"({first_line(e)}); pass a model dir with its tokenizer") from None
     generation_config = read_generation_config(model_dir)
+    check_config_fits_tensors(config, stored, model_dir)
     plan = plan_tensors(stored, config, family, gguf_type)
 
     # A new file of ours (O_EXCL, a name nobody could guess), not whatever a

@@ -412,3 +412,20 @@ def test_named_chat_templates_are_kept_as_llama_cpp_keeps_them(model_dirs, tmp_p
     fields = gguf_fields(out)
     assert fields["tokenizer.chat_template"] == CHATML
     assert fields["tokenizer.chat_template.tool_use"] == tool_use
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": 3}, "does not describe its weights: model.layers.2"),
+    ({"intermediate_size": 96}, "does not describe its weights: model.layers.0.mlp.down_proj.weight"),
+    ({"num_attention_heads": 0}, "could not read the model config of"),
+    ({"vocab_size": "many"}, "could not read the model config of"),
+])
+def test_a_config_that_contradicts_the_weights_makes_no_gguf(model_dirs, tmp_path, change, words):
+    model_dir = tmp_path / "edited"
+    shutil.copytree(model_dirs["llama"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **change}))
+    out = tmp_path / "edited.gguf"
+    line = refused(run_in_process("export", model_dir, "--format", "gguf", "--output", out))
+    assert words in line and ("fix config.json" in line or "pass a whole model dir" in line), line
+    assert not out.exists() and not list(tmp_path.glob(".edited.gguf.tmp-*"))
