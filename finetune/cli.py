@@ -310,7 +310,7 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
                         help="sequences per device (default: 8)")
     memory.add_argument("--block_size", type=positive_int, default=128, help="tokens per sequence (default: 128)")
-    memory.add_argument("--loss_chunk_size", type=int, default=TrainConfig().loss_chunk_size,
+    memory.add_argument("--loss_chunk_size", type=non_negative_int, default=TrainConfig().loss_chunk_size,
                         help="as for train: positions per chunk of the loss, 0 = the full logits "
                              f"(default: {TrainConfig().loss_chunk_size})")
     memory.add_argument("--model_dtype", choices=["float32", "bfloat16"], default="float32",
@@ -522,7 +522,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from finetune.memory import (data_ram_line, estimate, host_ram, model_shape, planned_meshes, read_launch_config,
                                  render, render_traffic)
 
-    launch = read_launch_config(args.accelerate_config)
+    launch = read_launch_config(args.accelerate_config, args.num_processes)
     num_processes = args.num_processes or launch.num_processes
     mixed_precision = args.mixed_precision or launch.mixed_precision
     if args.peft == "none" and (args.lora_r != TrainConfig().lora_r

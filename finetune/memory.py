@@ -125,8 +125,14 @@ class LaunchConfig:
     tp: int | None = None
 
 
-def read_launch_config(path: str | None) -> LaunchConfig:
-    """Processes, compute dtype and the sharding strategy an accelerate config runs."""
+# Keys a DeepSpeed JSON has and an accelerate config never does.
+DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clipping",
+                  "optimizer", "bf16", "fp16"}
+
+
+def read_launch_config(path: str | None, num_processes: int | None = None) -> LaunchConfig:
+    """Processes (`num_processes`, where given, instead of the config's), compute
+    dtype and the sharding strategy an accelerate config runs."""
     if not path:
         return LaunchConfig()
     try:
@@ -137,6 +143,12 @@ def read_launch_config(path: str | None) -> LaunchConfig:
     if not isinstance(launch, dict):
         raise UsageError(f"--accelerate_config {path} holds a {type(launch).__name__}, not the mapping of settings an "
                          "accelerate config is; pass one of `finetune configs`, or one `accelerate config` wrote")
+    if "distributed_type" not in launch and DEEPSPEED_KEYS & set(launch):
+        raise UsageError(f"--accelerate_config {path} is a DeepSpeed config, not an accelerate config; pass the "
+                         "accelerate config that names it (e.g. `finetune configs --path zero3`), as accelerate "
+                         "launch takes it")
+    if num_processes:
+        launch = {**launch, "num_processes": num_processes}
     backend = for_launch_config(launch)
     mesh = config_sizes(launch)
     return LaunchConfig(num_processes=int(launch.get("num_processes", 2)),

@@ -30,3 +30,28 @@ def test_estimate_memory_of_a_non_transformer_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: estimate-memory models transformer causal LMs")
     assert "lecture-cnn is an image-classification model" in err
+
+
+def test_the_plan_names_the_layout_of_the_processes_asked_for(capsys, tmp_path):
+    """tp.yaml (2 shards x TP 2 on 4 processes) planned on 6: 3 shards x TP 2, in the table and the last line."""
+    from finetune.cli import main
+
+    from sft_models import save_chat_model  # a family transformers has a tensor-parallel plan for
+
+    model = save_chat_model(tmp_path / "llama")
+    assert main(["estimate-memory", "--model", str(model), "--num_processes", "6", "--accelerate_config",
+                 str(REPO / "accelerate_configs" / "tp.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "| FSDP 3 x TP 2 |" in out and out.rstrip().endswith("runs: FSDP 3 x TP 2")
+
+
+def test_what_train_refuses_the_planner_refuses(capsys, tmp_path):
+    from finetune.cli import main
+
+    (tmp_path / "zero2.json").write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}')
+    for args, words in ((["--loss_chunk_size", "-5"], "--loss_chunk_size: must be >= 0"),
+                        (["--accelerate_config", str(tmp_path / "zero2.json")], "is a DeepSpeed config, not an "
+                                                                                 "accelerate config")):
+        assert main(["estimate-memory", "--model", "tiny-gpt2", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
