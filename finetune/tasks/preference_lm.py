@@ -206,18 +206,25 @@ class PreferenceLM(CausalLM):
 
 def cached_reference(task: PreferenceLM, accelerator: Accelerator, model) -> tuple[Path, torch.Tensor | None]:
     """Where these pairs' reference log-probs are cached, and them when they are."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
+
+    from finetune.model_dir import is_own_file
 
     key = _cache_key(task, accelerator, model) if accelerator.is_main_process else None
     key = broadcast_from_main(key) if accelerator.num_processes > 1 else key  # one verdict for every rank
     path = cache_root() / "reference_logps" / f"{key}.safetensors"
     pairs = sum(len(split) for split in task.splits)
-    if path.is_file():
+    if is_own_file(path):  # not a link, which could lead to any file of scores
         try:
+            with safe_open(str(path), "pt") as f:
+                recorded = (f.metadata() or {}).get("key")
             table = load_file(str(path))["logps"]
         except Exception:  # noqa: BLE001  (a damaged cache file is scored again)
-            table = None
-        if table is not None and table.shape == (pairs, 2):
+            recorded, table = None, None
+        # Its own key inside, and log-probs (finite, <= 0) of as many pairs: else it is scored again.
+        if (recorded == key and table is not None and table.shape == (pairs, 2) and bool(torch.isfinite(table).all())
+                and bool((table <= 0).all())):
             accelerator.print(f"reference log-probs of {pairs} pairs read from {path}")
             return path, table
     return path, None
@@ -257,7 +264,7 @@ def precompute_reference(task: PreferenceLM, accelerator: Accelerator, model: to
         cached = task.cached_table
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        save_file({"logps": table.contiguous()}, str(tmp))
+        save_file({"logps": table.contiguous()}, str(tmp), metadata={"key": cached.stem})
         os.replace(tmp, cached)
         accelerator.print(f"reference log-probs of {len(pairs)} pairs computed once, cached in {cached}")
     return table
@@ -276,7 +283,10 @@ def _cache_key(task: PreferenceLM, accelerator: Accelerator, model) -> str:
         reference = f"hub:{cfg.reference_model}"
     else:
         reference = weights_fingerprint(cfg.reference_model or task.model_source, model)
-    digest = hashlib.sha256(json.dumps({"reference": reference, "dtype": cfg.model_dtype,
+    # A QLoRA base scores in 4 bits (the layers it adapts) what a LoRA base of the same files, or the same
+    # model fully trained, scores in full precision: those share their scores, QLoRA's are its own.
+    four_bit = cfg.lora_target_modules if task.method.four_bit_bytes_per_weight else None
+    digest = hashlib.sha256(json.dumps({"reference": reference, "dtype": cfg.model_dtype, "four_bit": four_bit,
                                         "mixed_precision": accelerator.mixed_precision}).encode())
     for split in task.splits:
         for pair in split:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -334,6 +335,19 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
             for metric in ("loss", "rewards/chosen", "rewards/rejected"):
                 assert steps[step][metric] == pytest.approx(expected[step][metric], rel=1e-4, abs=1e-5), (name, step)
         assert json.loads((tmp_path / name / "summary.json").read_text())["reference_params_per_rank"] is None
+    # Scores of the right shape at that name, through a link, are not these pairs' own: scored again.
+    cached = Path(re.search(r"computed once, cached in (\S+)", first[0].stdout).group(1))
+    from safetensors.torch import load_file, save_file
+
+    save_file({"logps": -torch.ones_like(load_file(str(cached))["logps"])}, str(tmp_path / "forged.safetensors"),
+              metadata={"key": cached.stem})
+    cached.unlink()
+    cached.symlink_to(tmp_path / "forged.safetensors")
+    again = run_cli(["train", *lora, "--output_dir", tmp_path / "again"], env, mixed_precision="no", warm=True)
+    check_ok(again)
+    assert "reference log-probs of 128 pairs computed once, cached in" in again.stdout and not cached.is_symlink()
+    steps, expected = ({r["step"]: r["loss"] for r in train_rows(d)} for d in (tmp_path / "again", learnt["lora"]))
+    assert sorted(steps) == [1, 2, 3, 4] and steps == pytest.approx({s: expected[s] for s in steps}, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.slow
