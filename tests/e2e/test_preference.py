@@ -343,10 +343,10 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
               metadata={"key": cached.stem})
     cached.unlink()
     cached.symlink_to(tmp_path / "forged.safetensors")
-    again = run_cli(["train", *lora, "--output_dir", tmp_path / "again"], env, mixed_precision="no", warm=True)
+    again = run_cli(["train", *full, "--output_dir", tmp_path / "again"], env, mixed_precision="no", warm=True)
     check_ok(again)
     assert "reference log-probs of 128 pairs computed once, cached in" in again.stdout and not cached.is_symlink()
-    steps, expected = ({r["step"]: r["loss"] for r in train_rows(d)} for d in (tmp_path / "again", learnt["lora"]))
+    steps, expected = ({r["step"]: r["loss"] for r in train_rows(d)} for d in (tmp_path / "again", learnt["full"]))
     assert sorted(steps) == [1, 2, 3, 4] and steps == pytest.approx({s: expected[s] for s in steps}, rel=1e-4, abs=1e-5)
 
 
