@@ -162,8 +162,47 @@ class RowBuilder:
                 "open": copy.deepcopy(self.open), "ready": copy.deepcopy(list(self.ready))}
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.carry, self.carry_sources = list(state["carry"]), copy.deepcopy(state["carry_sources"])
         self.open, self.ready = copy.deepcopy(state["open"]), deque(copy.deepcopy(state["ready"]))
+
+    def check_state(self, state) -> None:
+        """A saved state this builder could have held, or one line: a damaged
+        or edited position would go on building rows of other data (or end in
+        a traceback several steps on)."""
+        def ids(value) -> bool:
+            return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in value)
+
+        def piece(p) -> bool:
+            return (isinstance(p, dict) and ids(p.get("input_ids")) and isinstance(p.get("labels"), list)
+                    and len(p["labels"]) == len(p["input_ids"]) <= self.block_size
+                    and p.get("source") in range(self.sources) and p.get("starts") in (0, 1))
+
+        problem = None
+        if not isinstance(state, dict) or not {"carry", "carry_sources", "open", "ready"} <= set(state):
+            problem = "it lacks the builder's carry, open blocks or ready rows"
+        elif not ids(state["carry"]) or len(state["carry"]) > self.block_size:
+            problem = f"its carry is not a list of at most {self.block_size} token ids"
+        elif not (isinstance(state["carry_sources"], list) and all(
+                isinstance(run, list) and len(run) == 3 and run[0] in range(self.sources) and isinstance(run[1], int)
+                and run[1] >= 0 and run[2] in (0, 1) for run in state["carry_sources"])
+                and sum(run[1] for run in state["carry_sources"]) == len(state["carry"])):
+            problem = "its carry's sources do not add up to the carry"
+        elif not (isinstance(state["open"], list) and all(
+                isinstance(block, dict) and isinstance(block.get("pieces"), list)
+                and all(piece(p) for p in block["pieces"])
+                and block.get("length") == sum(len(p["input_ids"]) for p in block["pieces"]) <= self.block_size
+                for block in state["open"])):
+            problem = "its open blocks are not blocks of whole examples"
+        elif not (isinstance(state["ready"], list) and all(
+                isinstance(row, dict) and ids(row.get("input_ids")) and len(row["input_ids"]) <= self.block_size
+                and isinstance(row.get("labels"), list) and len(row["labels"]) == len(row["input_ids"])
+                for row in state["ready"])):
+            problem = "its ready rows are not rows of this block size"
+        if problem:
+            raise UsageError(f"the checkpoint's stream position is not one this data can take ({problem}); the "
+                             "checkpoint is damaged: resume from an earlier one")
 
     def add(self, example: Example) -> None:
         if self.mode == "blocks":
@@ -251,6 +290,7 @@ class RowStream:
                  "readers": [None] * len(self.sources)}
         skip = 0
         if position is not None:  # read the chunk in use again, skip what was used, refill the builder
+            self.check_position(position)
             state = copy.deepcopy(position["chunk"])
             readers = [self._reader(i, reader_state) for i, reader_state in enumerate(state["readers"])]
             skip = position["used"]
@@ -269,6 +309,21 @@ class RowStream:
         builder.end_of_pass()
         while (row := builder.pop()) is not None:
             yield row, {"chunk": chunk_state, "used": len(examples), "builder": builder.state_dict()}
+
+    def check_position(self, position: dict) -> None:
+        """The chunk a position names, and how much of it was used, as this stream could have left them."""
+        chunk, n = position.get("chunk"), len(self.sources)
+        counts = (lambda v: isinstance(v, list) and len(v) == n and all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v))
+        if not (isinstance(chunk, dict) and isinstance(chunk.get("picked"), int) and chunk["picked"] >= 0
+                and isinstance(chunk.get("done"), list) and len(chunk["done"]) == n
+                and all(isinstance(d, bool) for d in chunk["done"]) and counts(chunk.get("numbers"))
+                and isinstance(chunk.get("readers"), list) and len(chunk["readers"]) == n
+                and all(r is None or isinstance(r, dict) for r in chunk["readers"])
+                and isinstance(position.get("used"), int) and 0 <= position["used"] <= CHUNK):
+            raise UsageError(f"the checkpoint's stream position is not one this data can take (its chunk of {n} "
+                             f"source(s) or the {CHUNK} examples it used); the checkpoint is damaged: resume from an "
+                             "earlier one")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -354,7 +409,11 @@ class IndexedRows:
         return {"index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
-        self.index = state["index"]
+        index = state.get("index") if isinstance(state, dict) else None
+        if not (isinstance(index, int) and not isinstance(index, bool) and 0 <= index <= len(self.rows)):
+            raise UsageError(f"the checkpoint's stream position is not one this data can take (row {index!r} of "
+                             f"{len(self.rows)}); the checkpoint is damaged: resume from an earlier one")
+        self.index = index
 
     def __iter__(self) -> Iterator[dict]:
         while self.index < len(self.rows):

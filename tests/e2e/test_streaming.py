@@ -173,6 +173,16 @@ def test_a_checkpoint_position_that_is_not_one_is_refused_in_one_line(tmp_path):
     batches.load_state_dict({"stream_positions": [bad]})
     with pytest.raises(UsageError, match="after the checkpoint's stream position of rank 0: if the data is intact"):
         batches.take(0, 1)
+    # Values no stream could have left: each refused before a row is built, never read as other data.
+    for damage in (lambda p: p["builder"]["carry"].append(-5), lambda p: p["builder"]["carry"].extend([1] * 99),
+                   lambda p: p["builder"]["carry_sources"].append([7, 1, 1]), lambda p: p.update(used=10**6),
+                   lambda p: p["chunk"].update(numbers=[1, 2]), lambda p: p["chunk"]["readers"][0].update(index=10**6),
+                   lambda p: p["builder"].update(ready=[{"input_ids": [1] * 17, "labels": [1] * 17}])):
+        bad = json.loads(json.dumps(good))
+        damage(bad)
+        batches.load_state_dict({"stream_positions": [bad]})
+        with pytest.raises(UsageError, match="the checkpoint's stream position is not one this data can take"):
+            batches.take(0, 1)
 
 
 def test_a_mixture_stops_when_its_first_source_runs_out_or_when_all_have(tmp_path):
@@ -362,7 +372,7 @@ def test_a_ten_times_larger_stream_starts_as_fast_in_as_little_memory(tmp_path, 
 @pytest.mark.parametrize("options, words", [
     (["--dataset", "{text}", "/nonexistent/more.jsonl"], "--dataset /nonexistent/more.jsonl does not exist"),
     (["--dataset", "{text}", "{text}", "--dataset_weights", "1"], "1 weight(s) for 2 --dataset source(s)"),
-    (["--dataset", "{text}", "{text}", "--dataset_weights", "0", "0"], "with a positive sum"),
+    (["--dataset", "{text}", "{text}", "--dataset_weights", "0", "0"], "with a positive, finite sum"),
     (["--dataset", "{text}", "--streaming", "--max_steps", "0", "--num_epochs", "1"], "--streaming needs --max_steps"),
     (["--dataset", "{text}/nothing-*.jsonl"], "matches no file"),
 ])
