@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
+import signal
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -425,8 +426,14 @@ _worker_encoder: Encoder | None = None
 
 
 def _set_encoder(encoder: Encoder) -> None:
+    """A forked worker's start. It inherits the rank's stop handlers, which only
+    record a request: a worker waiting on the pool's queue then outlived the
+    pool's SIGTERM and the rank hung joining it at the run's end. A worker dies
+    of SIGTERM, and leaves Ctrl-C to the rank."""
     global _worker_encoder
     _worker_encoder = encoder
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode(raw: list) -> list[Example | None]:
