@@ -117,7 +117,11 @@ class Encoder:
                 out[i] = Example(tokens + [self.tokenizer.eos_token_id], None, raw[i][0])
         for i, (s, number, row) in enumerate(raw):
             if self.formats[s] != "text":
-                out[i] = self._fitted(self.chat[self.formats[s]].encode(row, number - 1), s)
+                try:
+                    encoded = self.chat[self.formats[s]].encode(row, number - 1)
+                except UsageError as e:  # "example N: ...": of which source, in a mixture
+                    raise UsageError(f"--dataset {self.names[s]}: {e}") from None
+                out[i] = self._fitted(encoded, s)
         if self.pieces:
             return [piece for example in out for piece in self._pieces(example)]
         return out

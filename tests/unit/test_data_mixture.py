@@ -41,3 +41,17 @@ def test_encoding_workers_end_when_the_stream_closes_whatever_the_rank_does_with
     assert proc.returncode == 0, proc.stderr[-2000:]
     seconds, alive = proc.stdout.split(maxsplit=1)
     assert alive.strip() == "[False, False]" and float(seconds) < 20, proc.stdout
+
+
+def test_a_bad_row_of_a_mixture_names_its_source():
+    import pytest
+
+    from finetune.data.mixture import Encoder, Source
+    from finetune.errors import UsageError
+    from sft_models import chat_tokenizer
+
+    sources = [Source("notes.txt", 0.5, "text", list), Source("chats.jsonl", 0.5, "chat", list)]
+    encoder = Encoder(chat_tokenizer(["some text", "more words"]), sources, 32, False, "truncate", pieces=True)
+    bad = {"messages": [{"role": "wizard", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    with pytest.raises(UsageError, match=r"^--dataset chats.jsonl: example 3\b"):
+        encoder([(0, 1, {"text": "fine"}), (1, 3, bad)])
