@@ -23,8 +23,8 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--output_dir {run_dir} is a file, not a directory; choose another --output_dir")
     if problem := why_it_cannot_be_made(run_dir):
-        raise UsageError(f"--output_dir {run_dir} cannot be {'made' if 'file' in problem else 'written'} "
-                         f"({problem}); choose another --output_dir")
+        reason = f"written ({problem})" if problem.endswith("read-only") else f"made: {problem}"
+        raise UsageError(f"--output_dir {run_dir} cannot be {reason}; choose another --output_dir")
     if link := first_link_inside(run_dir):
         kind = "directory" if link.is_dir() else "file"
         raise UsageError(f"{link} is a symbolic link (to {os.readlink(link)}); a run never writes or removes through "
