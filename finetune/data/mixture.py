@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
+import os
 import signal
 from collections import deque
 from dataclasses import dataclass
@@ -32,8 +33,15 @@ import numpy as np
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat import (ChatEncoder, PadCollator, fit_to_block, load_chat_template, mask_first, pad_id,
-                                stack_rows)
+from finetune.data.chat import (
+    ChatEncoder,
+    PadCollator,
+    fit_to_block,
+    load_chat_template,
+    mask_first,
+    pad_id,
+    stack_rows,
+)
 from finetune.data.sources import root_cause
 from finetune.errors import UsageError
 
@@ -430,12 +438,16 @@ _worker_encoder: Encoder | None = None
 
 
 def _set_encoder(encoder: Encoder) -> None:
-    """A forked worker's start. It inherits the rank's stop handlers, which only
-    record a request: a worker waiting on the pool's queue then outlived the
-    pool's SIGTERM and the rank hung joining it at the run's end. A worker dies
-    of SIGTERM, and leaves Ctrl-C to the rank."""
+    """A forked worker's start. It inherited the rank's stop handlers, which
+    only record a request: a worker waiting on the pool's queue then outlived
+    the pool's SIGTERM, and the rank hung joining it at the run's end. So a
+    worker dies of SIGTERM; and it leaves the launch's process group, so that
+    a stop sent to the whole launch (Ctrl-C, a scheduler's SIGTERM to the
+    group) reaches the rank alone, which saves and closes the pool, and never
+    a worker in the middle of a chunk the rank waits for."""
     global _worker_encoder
     _worker_encoder = encoder
+    os.setpgrp()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
