@@ -37,7 +37,9 @@ CONFIGS = REPO / "accelerate_configs"
 # measured seconds), so that the short ones fill in at the end: started last, a
 # long one would leave the other worker idle for minutes. A file not measured
 # yet counts as the longest, so that it never runs last unnoticed.
-# FINETUNE_RECORD_DURATIONS=1 rewrites durations.json from the run.
+# FINETUNE_RECORD_DURATIONS=1 rewrites durations.json from the run: each phase
+# its own files (a file with tests in both phases, test_large_models.py, keeps
+# the second phase's part alone: add the first's by hand).
 DURATIONS = Path(__file__).parent / "durations.json"
 
 
