@@ -165,9 +165,10 @@ def atomic_dir(out_dir: Path):
         raise UsageError(f"cannot write to {out_dir} ({e.strerror}); choose another --output") from None
     try:
         yield tmp
+        mode = default_file_mode()
         for file in tmp.rglob("*"):  # safetensors writes its files readable by their owner alone
-            if file.is_file() and not file.is_symlink():
-                os.chmod(file, default_file_mode())
+            if is_own_file(file):
+                os.chmod(file, mode)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -207,7 +207,6 @@ class PreferenceLM(CausalLM):
 def cached_reference(task: PreferenceLM, accelerator: Accelerator, model) -> tuple[Path, torch.Tensor | None]:
     """Where these pairs' reference log-probs are cached, and them when they are."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     from finetune.model_dir import is_own_file
 
@@ -217,9 +216,8 @@ def cached_reference(task: PreferenceLM, accelerator: Accelerator, model) -> tup
     pairs = sum(len(split) for split in task.splits)
     if is_own_file(path):  # not a link, which could lead to any file of scores
         try:
-            with safe_open(str(path), "pt") as f:
-                recorded = (f.metadata() or {}).get("key")
-            table = load_file(str(path))["logps"]
+            with safe_open(str(path), "pt") as f:  # the file read once: its key and its scores
+                recorded, table = (f.metadata() or {}).get("key"), f.get_tensor("logps")
         except Exception:  # noqa: BLE001  (a damaged cache file is scored again)
             recorded, table = None, None
         # Its own key inside, and log-probs (finite, <= 0) of as many pairs: else it is scored again.

@@ -52,6 +52,21 @@ def flatten(tree, prefix="") -> dict:
     return {prefix.rstrip("."): tree}
 
 
+def assert_same_state(saved: Path, resaved: Path, tmp: Path) -> dict:
+    """The model and optimizer state of two checkpoints, consolidated, equal
+    whatever their shard layouts; the optimizer's, flattened."""
+    for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
+        before = flatten(consolidated(saved / part, tmp))
+        after = flatten(consolidated(resaved / part, tmp))
+        assert before.keys() == after.keys()
+        for key in before:
+            if isinstance(before[key], torch.Tensor):
+                assert torch.equal(before[key], after[key]), key
+            else:
+                assert before[key] == after[key], key
+    return before
+
+
 def test_checkpoint_layout(checkpointed_run):
     ckpt = checkpointed_run / "checkpoints" / "step_000006"
     # tiny-gpt2's output layer is its input embedding: stored once.
@@ -106,16 +121,8 @@ def test_resume_on_another_world_size(checkpointed_run, tmp_path, env, small_cor
     assert [w.split("]")[0] for w in rng_warnings] == (["[rank 2"] if world_size == 3 else []), rng_warnings
     resaved = run_dir / "checkpoints" / "step_000006"
     assert len(list((resaved / "pytorch_model_fsdp_0").glob("*.distcp"))) == world_size
-    for part in ["pytorch_model_fsdp_0", "optimizer_0"]:
-        before = flatten(consolidated(saved / part, tmp_path))
-        after = flatten(consolidated(resaved / part, tmp_path))
-        assert before.keys() == after.keys()
-        for key in before:
-            if isinstance(before[key], torch.Tensor):
-                assert torch.equal(before[key], after[key]), key
-            else:
-                assert before[key] == after[key], key
-    assert any("exp_avg_sq" in k for k in before)
+    optimizer = assert_same_state(saved, resaved, tmp_path)
+    assert any("exp_avg_sq" in k for k in optimizer)
 
     # ... and training goes on from step 7 with the checkpointed_run run's LR.
     check_ok(run_cli(["resume", str(run_dir), "--max_steps", "12"], env, nproc=world_size, mixed_precision="no", warm=True))
