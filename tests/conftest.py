@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
+from warm_ranks import open_fifo, wake
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -192,6 +194,9 @@ class WarmRanks:
         self.queue = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
         (self.queue / "owner").write_text(str(os.getpid()))
         self.nproc = 1 if options is None else int(options[options.index("--num_processes") + 1])
+        for name in ["wake-tests", *(f"wake-{rank}" for rank in range(self.nproc))]:
+            os.mkfifo(self.queue / name)
+        self.woken = open_fifo(self.queue / "wake-tests")
         self.n = 0
         launcher = [] if options is None else ["-m", "accelerate.commands.launch", *options]
         self.log = (self.queue / "launcher.log").open("w")
@@ -234,6 +239,8 @@ class WarmRanks:
         scratch = self.queue / f"cmd-{n}.json.tmp"
         scratch.write_text(json.dumps({"argv": args, "env": env}))
         scratch.replace(self.queue / f"cmd-{n}.json")
+        for rank in range(self.nproc):
+            wake(self.queue / f"wake-{rank}")
         return n
 
     def collect(self, n: int, args: list[str], deadline: float) -> subprocess.CompletedProcess:
@@ -248,7 +255,8 @@ class WarmRanks:
             if time.monotonic() > deadline:
                 self.close(at_once=True)
                 raise subprocess.TimeoutExpired(args, deadline)
-            time.sleep(0.02)
+            if select.select([self.woken], [], [], 0.5)[0]:  # a rank is done, or half a second passed
+                os.read(self.woken, 4096)
         codes = [int(path.read_text()) if path.exists() else 1 for path in done]
         read = lambda name: "".join((self.queue / f"{name}-{n}-{rank}").read_text()  # noqa: E731
                                     for rank in range(self.nproc) if (self.queue / f"{name}-{n}-{rank}").exists())
@@ -263,12 +271,15 @@ class WarmRanks:
     def close(self, at_once: bool = False) -> None:
         if self.launcher.poll() is None:
             (self.queue / f"cmd-{self.n}.json").write_text(json.dumps({"exit": True}))
+            for rank in range(self.nproc):
+                wake(self.queue / f"wake-{rank}")
             try:
                 self.launcher.wait(0 if at_once else 10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.launcher.pid, signal.SIGKILL)
                 self.launcher.wait()
         self.log.close()
+        os.close(self.woken)
         shutil.rmtree(self.queue, ignore_errors=True)
 
     @classmethod
