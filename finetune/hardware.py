@@ -12,14 +12,6 @@ from accelerate import Accelerator
 from finetune.errors import UsageError
 
 
-def launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def has_accelerator_device() -> bool:
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-
-
 def cpu_has_native_bf16() -> bool:
     """bf16 matmuls are fast only with AVX512-BF16 or AMX; elsewhere (AVX2-only
     CPUs) they were measured 30-250x slower than fp32."""

@@ -1,18 +1,18 @@
 """The checks of a training command that need no model, no data read and no
-process group. Every rank runs them before torch, transformers and datasets
-are imported (about 10 CPU-s a rank), so a misspelt path or a wrong output dir
-ends a whole launch in about a second. The same rules run again where the
+process group. Every rank runs them before transformers and datasets are
+imported (about 10 CPU-s a rank on a slow CPU), so a misspelt path or a wrong
+output dir ends a whole launch in about a second; those that ask for devices
+import torch alone, last. The same rules run again where the
 libraries load (sources.locate, models.load_config): here they only come first."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.data.locations import locate
 from finetune.errors import UsageError, not_a_file
-from finetune.mesh_request import check_mesh_size
+from finetune.launch_request import check_launch_runs_here
 from finetune.run_dir import check_run_dir
 from finetune.tasks import REGISTRY, check_preset_task, task_of_preset
 
@@ -31,7 +31,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat_template {cfg.chat_template} {not_a_file(Path(cfg.chat_template))}; pass a Jinja "
                          "template file")
-    check_mesh_size(int(os.environ.get("WORLD_SIZE", "1")))
+    check_launch_runs_here(cfg.peft)  # last: it imports torch
 
 
 def check_model_named(model: str, option: str) -> None:

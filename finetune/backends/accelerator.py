@@ -13,7 +13,8 @@ from finetune.backends import requested_backend
 from finetune.backends.base import Backend
 from finetune.backends.mesh import check_requested_mesh
 from finetune.errors import NotDistributed
-from finetune.hardware import check_processes_fit_devices, has_accelerator_device, launched_world_size
+from finetune.hardware import check_processes_fit_devices
+from finetune.launch_request import has_accelerator_device, launched_world_size
 from finetune.host_memory import keep_freed_memory_in_process
 from finetune.liveness import end_with_launcher
 

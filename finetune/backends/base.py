@@ -19,7 +19,7 @@ from finetune.backends.mesh import Mesh
 from finetune.collectives import gather_ints
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, ModelShape
-from finetune.hardware import has_accelerator_device, launched_world_size
+from finetune.launch_request import has_accelerator_device, launched_world_size
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, local_numel, tally
 from finetune.shard_loading import safetensors_weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from finetune.backends.base import Backend, PlanInputs
 from finetune.estimates import Estimate
-from finetune.hardware import launched_world_size
+from finetune.launch_request import launched_world_size
 
 
 class OneProcess(Backend):

@@ -29,7 +29,7 @@ from finetune.backends.base import Backend, PlanInputs, ShardReport, check_parti
 from finetune.backends.mesh import Mesh
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate
-from finetune.hardware import has_accelerator_device, launched_world_size
+from finetune.launch_request import has_accelerator_device, launched_world_size
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, tally
 from finetune.verify import check_pickled_file

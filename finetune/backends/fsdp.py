@@ -15,7 +15,6 @@ Checkpoints: the model and optimizer as DCP shards (`pytorch_model_fsdp_0/`,
 
 from __future__ import annotations
 
-import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -33,16 +32,11 @@ from finetune.backends.mesh import asked_fsdp_mesh, config_sizes, mesh_of, tenso
 from finetune.collectives import use_gloo_collectives
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, frozen_bytes, mesh_name
-from finetune.hardware import has_accelerator_device
+from finetune.launch_request import check_fsdp_runs_here, fsdp_requested, fsdp_version, has_accelerator_device
 from finetune.model_dir import Weights
 from finetune.verify import check_dcp_dir
 
 MODEL_SHARDS_DIR = "pytorch_model_fsdp_0"
-
-
-def fsdp_requested() -> bool:
-    """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 class FSDP2(Backend):
@@ -58,7 +52,7 @@ class FSDP2(Backend):
 
     @classmethod
     def requested(cls) -> bool:
-        return fsdp_requested() and os.environ.get("FSDP_VERSION", "2") != "1"
+        return fsdp_requested() and fsdp_version() == 2
 
     @classmethod
     def wrote(cls, checkpoint_dir: Path) -> bool:
@@ -76,13 +70,7 @@ class FSDP2(Backend):
     # --- building and preparing -----------------------------------------------------------------
 
     def check_supported_here(self) -> None:
-        """Parameter offload needs an accelerator device (measured: FSDP2's
-        CPUOffloadPolicy needs a device to offload from)."""
-        if has_accelerator_device():
-            return
-        if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
-            raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
-                             "launch with `--config_file $(finetune configs --path fsdp)`")
+        check_fsdp_runs_here()
 
     def process_group(self, timeout: timedelta) -> InitProcessGroupKwargs:
         """On a CPU-only machine: `PartialState(cpu=True)` initialises the gloo
@@ -332,12 +320,7 @@ class FSDP1(FSDP2):
 
     @classmethod
     def requested(cls) -> bool:
-        return fsdp_requested() and os.environ.get("FSDP_VERSION", "2") == "1"
-
-    def check_supported_here(self) -> None:
-        if not has_accelerator_device():
-            raise UsageError("fsdp_version: 1 (FSDP1) needs a GPU and this machine has none; "
-                             "launch with `--config_file $(finetune configs --path fsdp)` (FSDP2), which runs on CPU")
+        return fsdp_requested() and fsdp_version() == 1
 
     def after_prepare(self, model: torch.nn.Module) -> None:
         """FSDP1 takes no custom collectives."""

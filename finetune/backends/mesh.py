@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from finetune.errors import UsageError
-from finetune.mesh_request import check_mesh_size, requested_mesh
+from finetune.launch_request import check_mesh_size, requested_mesh
 
 @dataclass(frozen=True)
 class Mesh:

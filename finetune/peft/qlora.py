@@ -11,20 +11,18 @@ export merge the adapters into the base reloaded whole, not into the 4 bits.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from finetune.errors import UsageError
+from finetune.launch_request import check_qlora_runs_here, launched_world_size
 from finetune.model_dir import Weights
 from finetune.peft.lora import ADAPTER_NAME, LoRA, adapted_layers, merged_into, require_peft
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel
-
-QLORA_ON_CPU = "FINETUNE_QLORA_ON_CPU"  # "1": run QLoRA's code path on CPU, to test it where no GPU is
 
 NF4_BLOCK = 64           # weights per absmax scale
 NF4_SCALER_BLOCK = 256   # scales per second-level scale (double quantisation)
@@ -110,16 +108,12 @@ class QLoRA(LoRA):
     four_bit_bytes_per_weight = NF4_BYTES_PER_WEIGHT
 
     def check_supported_here(self) -> None:
-        if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
-            raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use "
-                             "--peft lora")
+        check_qlora_runs_here(launched_world_size(), under_fsdp2=True)  # the launch's backend: check_backend
         require_peft(self.name)
         nf4_tensor_class()
 
     def check_backend(self, accelerator: "Accelerator") -> None:
-        if accelerator.num_processes > 1 and not accelerator.is_fsdp2:
-            raise UsageError("--peft qlora shards its 4-bit base with FSDP2 only; launch with "
-                             "accelerate_configs/fsdp.yaml, or on one process")
+        check_qlora_runs_here(accelerator.num_processes, accelerator.is_fsdp2)
 
     def adapt_base(self, model: "PreTrainedModel") -> "PreTrainedModel":
         """GPT-2's Conv1D layers as Linear, the layout NF4 multiplies."""

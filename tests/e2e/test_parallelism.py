@@ -9,7 +9,6 @@ flat FSDP, its export the same weights."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

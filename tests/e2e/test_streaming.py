@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, free_port, read_jsonl, run_cli, run_in_process, train_rows
-from sft_models import CHATML, chat_tokenizer, conversations, write_jsonl
+from conftest import REPO, check_ok, free_port, run_cli, run_in_process, train_rows
+from sft_models import CHATML, chat_tokenizer, conversations
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
          "phi chi psi omega").split()

@@ -88,3 +88,46 @@ def test_a_dataset_card_that_names_files_outside_its_dir_is_refused(tmp_path, na
         {"split": "train", "path": "train*.jsonl"}]}]}) + "---\n# My data\n")
     assert locate(str(data), TEXT_FILES).kind == "card"
 
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusals of a machine without a GPU")
+def test_what_needs_a_gpu_ends_before_transformers_or_datasets_load(tmp_path):
+    """The launch's environment as `accelerate launch` sets it from each config,
+    through `main` in one fresh process: exit 2 and one line each, with torch
+    imported to ask for devices and nothing heavier."""
+    (tmp_path / "notes.txt").write_text("some text\n")
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}
+    cases = [
+        ({**fsdp, "FSDP_VERSION": "1"}, [], "fsdp_version: 1 (FSDP1) needs a GPU"),
+        ({**fsdp, "FSDP_OFFLOAD_PARAMS": "true"}, [], "fsdp_offload_params: true (CPU offload) needs a GPU"),
+        (fsdp, ["--peft", "qlora"], "--peft qlora holds the base in 4 bits, which needs a CUDA GPU"),
+        ({"WORLD_SIZE": "2", "FINETUNE_QLORA_ON_CPU": "1"}, ["--peft", "qlora"], "with FSDP2 only"),  # DDP
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2", "FINETUNE_QLORA_ON_CPU": "1"}, ["--peft", "qlora"],
+         "with FSDP2 only"),
+        ({**fsdp, "FSDP_VERSION": "1", "FINETUNE_QLORA_ON_CPU": "1"}, ["--peft", "qlora"], "(FSDP1) needs a GPU"),
+    ]
+    script = f"""
+import contextlib, io, json, os, sys
+from finetune.cli import main
+results = []
+for environment, args in {[(e, a) for e, a, _ in cases]!r}:
+    saved = dict(os.environ)
+    os.environ.update(environment)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--dataset", {str(tmp_path / "notes.txt")!r}, "--output_dir", {str(tmp_path / "run")!r},
+                     *args])
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append((code, err.getvalue()))
+print(json.dumps({{"results": results, "loaded": [m for m in ("transformers", "datasets", "accelerate")
+                                                   if m in sys.modules]}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    for (environment, args, words), (code, stderr) in zip(cases, found["results"]):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (environment, stderr)
+    assert found["loaded"] == []
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,96 @@
+"""What a launch asks for, read from the environment `accelerate launch` sets
+from its config: the number of processes, FSDP and its version, the device
+mesh; and what of it this machine cannot run. Light on purpose: every training
+rank checks it before transformers and datasets load (finetune/preflight.py),
+importing torch alone (about 2 CPU-s of a rank's 6) to ask for devices. The
+backends and PEFT methods run the same checks where their libraries load;
+backends/mesh.py checks the mesh against the backend."""
+
+from __future__ import annotations
+
+import os
+
+from finetune.errors import UsageError
+
+ENV_PREFIX = "PARALLELISM_CONFIG_"  # what `accelerate launch` sets from the config's parallelism_config keys
+QLORA_ON_CPU = "FINETUNE_QLORA_ON_CPU"  # "1": run QLoRA's code path on CPU, to test it where no GPU is
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fsdp_requested() -> bool:
+    """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def fsdp_version() -> int:
+    return 1 if os.environ.get("FSDP_VERSION", "2") == "1" else 2
+
+
+def has_accelerator_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def check_fsdp_runs_here() -> None:
+    """FSDP1 and parameter offload need an accelerator device (measured: FSDP1
+    rejects `cpu:0`, FSDP2's CPUOffloadPolicy needs a device to offload from)."""
+    if not fsdp_requested() or has_accelerator_device():
+        return
+    if fsdp_version() == 1:
+        raise UsageError("fsdp_version: 1 (FSDP1) needs a GPU and this machine has none; "
+                         "launch with `--config_file $(finetune configs --path fsdp)` (FSDP2), which runs on CPU")
+    if os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+        raise UsageError("fsdp_offload_params: true (CPU offload) needs a GPU to offload from and this machine has none; "
+                         "launch with `--config_file $(finetune configs --path fsdp)`")
+
+
+def check_qlora_runs_here(num_processes: int, under_fsdp2: bool) -> None:
+    """QLoRA's 4-bit base: on a CUDA GPU, and sharded by FSDP2 alone."""
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get(QLORA_ON_CPU) != "1":
+        raise UsageError("--peft qlora holds the base in 4 bits, which needs a CUDA GPU; on this machine use "
+                         "--peft lora")
+    if num_processes > 1 and not under_fsdp2:
+        raise UsageError("--peft qlora shards its 4-bit base with FSDP2 only; launch with "
+                         "accelerate_configs/fsdp.yaml, or on one process")
+
+
+def check_launch_runs_here(peft: str) -> None:
+    """The launch's processes against the mesh, then what needs a device this machine lacks."""
+    check_mesh_size(launched_world_size())
+    check_fsdp_runs_here()
+    if peft == "qlora":
+        check_qlora_runs_here(launched_world_size(), fsdp_requested() and fsdp_version() == 2)
+
+
+def requested_mesh() -> dict[str, int] | None:
+    """The sizes the launch asks for (accelerate's names without the prefix:
+    dp_replicate_size, dp_shard_size, tp_size, cp_size, sp_size); None when it
+    sets no parallelism_config."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    sizes = {}
+    for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        value = os.environ.get(ENV_PREFIX + name.upper(), "1")
+        if not value.isdigit() or int(value) < 1:
+            raise UsageError(f"parallelism_config_{name}: {value!r} is not a positive number of ranks; "
+                             "set it in the accelerate config or with --parallelism_config_" + name)
+        sizes[name] = int(value)
+    return sizes
+
+
+def check_mesh_size(world_size: int) -> None:
+    """A mesh whose sizes do not multiply to the number of ranks launched."""
+    sizes = requested_mesh()
+    if sizes is None:
+        return
+    product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"]
+    if product != world_size:
+        raise UsageError(f"the parallelism_config mesh is dp_replicate {sizes['dp_replicate_size']} x dp_shard "
+                         f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
+                         f"were launched; make the sizes multiply to --num_processes (or launch {product})")
