@@ -198,7 +198,8 @@ def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
         progress = verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
         saved = saved_config(checkpoint)
         resume_changes(saved, cfg)
-        check_same_inputs(saved.get("inputs"), input_fingerprints(cfg), cfg, checkpoint)
+        task = build_task(cfg)
+        check_same_inputs(saved.get("inputs"), input_fingerprints(cfg, task.frozen_reference()), cfg, checkpoint)
         for source in cfg.sources:
             dataset = Path(source)
             if (not dataset.exists() and not glob_matches(source)
@@ -208,7 +209,6 @@ def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
         if num_processes is not None:
             for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
             StreamBatches.check_world_size(json.loads((checkpoint / PROGRESS_FILE).read_text()), num_processes)
-        task = build_task(cfg)
         task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
 
 

@@ -266,21 +266,29 @@ def _file_digest(path: Path, digest) -> None:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
+def weights_files_fingerprint(path: Path) -> str:
+    """A local model dir's weight files and config, or one weights file."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        _file_digest(path, digest)
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json"))
+        for file in files:
+            _file_digest(file, digest)
+    return digest.hexdigest()[:32]
+
+
 def weights_fingerprint(source: str, model: torch.nn.Module) -> str:
     """A cheap fingerprint of the weights a model came from (an adapted run's
     base, a preference run's reference): of its files for a local dir or file
     (small files whole, large ones by their header and 16 samples of 1 MiB), of
     the Hub commit for a Hub id, and of the weights themselves for a preset
     built from a seed (small by definition)."""
-    digest = hashlib.sha256()
     path = Path(source)
-    if path.is_file():
-        _file_digest(path, digest)
-    elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name == "config.json"))
-        for file in files:
-            _file_digest(file, digest)
-    elif commit := getattr(model.config, "_commit_hash", None):
+    if path.exists():
+        return weights_files_fingerprint(path)
+    digest = hashlib.sha256()
+    if commit := getattr(model.config, "_commit_hash", None):
         digest.update(f"hub:{source}@{commit}".encode())
     else:
         for name, tensor in model.state_dict().items():

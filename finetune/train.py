@@ -179,7 +179,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     new_length = False
     saved = saved_config(resume_from) if resume_from else {}  # the config the checkpoint was written with
     # The files the options name, read through once (by the main process) for every rank.
-    inputs = input_fingerprints(cfg) if accelerator.is_main_process else None
+    inputs = input_fingerprints(cfg, task.frozen_reference()) if accelerator.is_main_process else None
     inputs = broadcast_from_main(inputs) if accelerator.num_processes > 1 else inputs
     if resume_from:
         new_length = any(saved.get(name, getattr(cfg, name)) != getattr(cfg, name)

@@ -93,6 +93,11 @@ class Task:
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         """After `prepare`: lays out what the task keeps beside the trained model."""
 
+    def frozen_reference(self) -> str | None:
+        """The model a frozen copy the run compares with is read from (its
+        checkpoints fingerprint it as they do the data); None without one."""
+        return None
+
     def summary_facts(self) -> dict[str, Any]:
         """What summary.json says of the task beyond the shared keys."""
         return {}

@@ -65,8 +65,15 @@ class PreferenceLM(CausalLM):
     def targets(self, batch: dict) -> int:
         return len(batch["input_ids"]) // 2  # pairs
 
+    def frozen_reference(self) -> str | None:
+        """With every parameter trained, DPO compares with a frozen copy of
+        --reference_model or --model (under adapters: the base, adapters off)."""
+        if self.objective.needs_reference and not self.method.saves_adapters:
+            return self.cfg.reference_model or self.cfg.model
+        return None
+
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
-        copy_needed = self.objective.needs_reference and not self.method.saves_adapters
+        copy_needed = self.frozen_reference() is not None
         if copy_needed and backend.frozen_model_refusal:
             raise UsageError(f"--method {self.cfg.method} with every parameter trained needs a frozen reference "
                              f"model: {backend.frozen_model_refusal}, or {self.method.without_a_reference_copy}")

@@ -9,13 +9,16 @@ import json
 import math
 import random
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import check_ok, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
+from e2e.test_errors import snapshot
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder, split_pair
 from finetune.errors import UsageError
@@ -283,13 +286,34 @@ def test_a_dpo_run_resumes_exactly(learnt, tmp_path, env):
         for name in ("loss", "rewards/margins", "logps/chosen"):
             assert resumed[step][name] == pytest.approx(uninterrupted[step][name], abs=1e-6), (step, name)
     # Exported offline from its last checkpoint: the adapters merged into the base, as final/ holds them.
-    from safetensors.torch import load_file
-
     check_ok(run_in_process("export", run_dir, "--output", tmp_path / "export"))
     exported, final = (load_file(d / "model.safetensors") for d in (tmp_path / "export", run_dir / "final"))
     assert exported.keys() == final.keys()
     for name, tensor in final.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_full_dpo_resume_against_another_reference_is_refused(learnt, models, tmp_path):
+    """Full DPO compares with a frozen copy of --model: a resume naming other
+    weights, or the same dir with its weights replaced, stops in one line
+    before anything is written."""
+    policy, other = models
+    replaced = tmp_path / "policy"
+    shutil.copytree(policy, replaced)
+    weights = load_file(replaced / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, replaced / "model.safetensors", metadata={"format": "pt"})
+    for model in (other, replaced):
+        run_dir = tmp_path / f"run-{model.name}"
+        shutil.copytree(learnt["full"], run_dir)
+        before = snapshot(run_dir)
+        proc = run_in_process("resume", run_dir, "--model", model, "--max_steps", "20")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"error: --model {model} is not the reference {run_dir}"), lines
+        assert snapshot(run_dir) == before
 
 
 @pytest.mark.slow
@@ -337,7 +361,6 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
         assert json.loads((tmp_path / name / "summary.json").read_text())["reference_params_per_rank"] is None
     # Scores of the right shape at that name, through a link, are not these pairs' own: scored again.
     cached = Path(re.search(r"computed once, cached in (\S+)", first[0].stdout).group(1))
-    from safetensors.torch import load_file, save_file
 
     save_file({"logps": -torch.ones_like(load_file(str(cached))["logps"])}, str(tmp_path / "forged.safetensors"),
               metadata={"key": cached.stem})
@@ -355,9 +378,8 @@ def test_qlora_dpo_starts_at_ln2_and_moves_the_rewards(tmp_path, env):
     """QLoRA's code path on CPU (as test_lora runs it): the reference is the
     4-bit base with the adapters off."""
     pytest.importorskip("torchao")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from sft_models import chat_tokenizer, conversations
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = chat_tokenizer([m["content"] for row in conversations(200) for m in row["messages"]])
     torch.manual_seed(0)
