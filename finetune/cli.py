@@ -436,6 +436,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
     without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
@@ -463,6 +464,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
     without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
@@ -478,6 +480,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
     without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
@@ -591,6 +594,15 @@ def entry() -> None:
         except (OSError, ValueError):  # a reader that went away, as a normal exit would find it
             pass
     os._exit(code)
+
+
+def no_bars_off_a_terminal() -> None:
+    """transformers' loading and GGUF bars and lm-eval's are redrawn lines: in
+    a redirected log, each redraw stays. tqdm reads TQDM_DISABLE when it is
+    first imported, so this comes before any library loads (`train` decides
+    for its own bar: report.plain_logs)."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def keep_torchao_out_of_transformers() -> None:
