@@ -55,6 +55,17 @@ def test_text_shorter_than_one_block_is_a_clear_error():
         tokenize_and_group(raw, tokenizer, block_size=64)
 
 
+def test_a_held_out_share_too_small_for_one_block_names_the_split():
+    from datasets import Dataset, DatasetDict
+
+    texts = ["a document of a dozen words, long enough to fill blocks of sixteen tokens"] * 20
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    raw = DatasetDict(train=Dataset.from_dict({"text": texts}), validation=Dataset.from_dict({"text": ["a few"]}))
+    with pytest.raises(UsageError, match="the validation text has .* tokens, fewer than one block of --block_size 32; "
+                                         "hold out more \\(a larger --validation_split"):
+        tokenize_and_group(raw, tokenizer, block_size=32)
+
+
 def test_local_jsonl_needs_the_text_column(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"document {i}"}) for i in range(10)))
