@@ -371,7 +371,7 @@ class RowStream:
             raw, ended = [], False
             while len(raw) < CHUNK:
                 source = picks[state["picked"]]
-                row = self._next(iterators[source], source)
+                row, read = self._next(iterators[source], source)
                 if row is None:  # this source ran out
                     state["done"][source] = True
                     if self.stop == "first_exhausted" or all(state["done"]):
@@ -379,11 +379,13 @@ class RowStream:
                         break
                     readers[source] = self._reader(source)
                     iterators[source] = iter(readers[source])
-                    if (row := self._next(iterators[source], source)) is None:
+                    state["numbers"][source] = 0  # a new pass: numbers are the file's rows again
+                    row, read = self._next(iterators[source], source)
+                    if row is None:
                         raise UsageError(f"--dataset {self.sources[source].name} has no training examples for rank "
                                          f"{self.rank}; give it more examples or shards, or launch fewer processes")
                 state["picked"] += 1
-                state["numbers"][source] += 1
+                state["numbers"][source] += read
                 raw.append((source, state["numbers"][source], row))
             if raw:
                 yield before, raw
@@ -398,14 +400,17 @@ class RowStream:
             reader.load_state_dict(state)
         return reader
 
-    def _next(self, iterator: Iterator, source: int) -> dict | None:
+    def _next(self, iterator: Iterator, source: int) -> tuple[dict | None, int]:
+        """The next training row, and how many rows were read for it (the held-out ones
+        skipped count: an example's number is its row in the source)."""
+        read = 1
         try:
             row = next(iterator)
             while is_held_out(row, self.sources[source].held_out):
-                row = next(iterator)
-            return row
+                row, read = next(iterator), read + 1
+            return row, read
         except StopIteration:
-            return None
+            return None, read
         except Exception as e:  # datasets raises many types for a file it cannot parse
             raise DataReadError(f"could not read --dataset {self.sources[source].name} part-way through "
                                 f"({type(e).__name__}: {root_cause(e)}); fix or remove the damaged file, then "

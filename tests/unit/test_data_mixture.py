@@ -55,3 +55,25 @@ def test_a_bad_row_of_a_mixture_names_its_source():
     bad = {"messages": [{"role": "wizard", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
     with pytest.raises(UsageError, match=r"^--dataset chats.jsonl: example 3\b"):
         encoder([(0, 1, {"text": "fine"}), (1, 3, bad)])
+
+
+def test_a_streamed_example_is_numbered_by_its_row_in_the_file_held_out_rows_included():
+    """Rows held out for evaluation are read and skipped: "example N" is still
+    the source's N-th row."""
+    import pytest
+
+    from finetune.data.mixture import Encoder, RowStream, Source, is_held_out
+    from finetune.errors import UsageError
+    from sft_models import chat_tokenizer
+
+    docs = [{"text": f"document {i} " + "word " * (i % 7 + 3)} for i in range(40)]
+    held_out = 0.3
+    bad_row = next(i for i in range(20, 40) if not is_held_out(docs[i], held_out))
+    assert any(is_held_out(docs[i], held_out) for i in range(bad_row))  # rows before it are skipped
+    rows = docs[:bad_row] + [{"text": ["not", "text"]}] + docs[bad_row + 1:]
+    assert not is_held_out(rows[bad_row], held_out)
+    sources = [Source("notes.jsonl", 1.0, "text", lambda: rows, held_out=held_out)]
+    encoder = Encoder(chat_tokenizer([d["text"] for d in docs]), sources, 16, False, "truncate", pieces=False)
+    stream = RowStream(sources, encoder, "blocks", 16, "first_exhausted", seed=0, rank=0)
+    with pytest.raises(UsageError, match=f"^--dataset notes.jsonl: example {bad_row + 1} holds list"):
+        list(stream.rows(0))
