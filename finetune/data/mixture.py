@@ -221,8 +221,13 @@ class RowBuilder:
         if self.mode == "blocks":
             self.carry += example.input_ids
             self.carry_sources.append([example.source, len(example.input_ids), 1])
-            while len(self.carry) >= self.block_size:
-                self._cut_block()
+            # Every full block cut, then the carry shortened once: one huge document (millions of
+            # tokens) would otherwise be copied once per block, in quadratic time.
+            start = 0
+            while len(self.carry) - start >= self.block_size:
+                self._cut_block(start)
+                start += self.block_size
+            del self.carry[:start]
             return
         labels = example.labels if example.labels is not None else list(example.input_ids)
         piece = {"input_ids": example.input_ids, "labels": labels, "source": example.source, "starts": example.starts}
@@ -249,7 +254,8 @@ class RowBuilder:
     def pop(self) -> dict | None:
         return self.ready.popleft() if self.ready else None
 
-    def _cut_block(self) -> None:
+    def _cut_block(self, start: int) -> None:
+        """The block of the carry from `start`; the caller drops what was cut."""
         size = self.block_size
         tokens, examples, left = [0] * self.sources, [0] * self.sources, size
         while left:
@@ -262,8 +268,8 @@ class RowBuilder:
             left -= used
             if run[1] == 0:
                 self.carry_sources.pop(0)
-        self.ready.append({"input_ids": self.carry[:size], "source_tokens": tokens, "source_examples": examples})
-        self.carry = self.carry[size:]
+        self.ready.append({"input_ids": self.carry[start:start + size], "source_tokens": tokens,
+                           "source_examples": examples})
 
     def _row(self, pieces: list[dict], packed: bool) -> dict:
         tokens, examples = [0] * self.sources, [0] * self.sources

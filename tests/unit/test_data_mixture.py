@@ -77,3 +77,25 @@ def test_a_streamed_example_is_numbered_by_its_row_in_the_file_held_out_rows_inc
     stream = RowStream(sources, encoder, "blocks", 16, "first_exhausted", seed=0, rank=0)
     with pytest.raises(UsageError, match=f"^--dataset notes.jsonl: example {bad_row + 1} holds list"):
         list(stream.rows(0))
+
+
+def test_one_huge_document_is_cut_into_blocks_in_linear_time():
+    """A stream's document of millions of tokens: each block cut used to copy
+    the rest of the carry (quadratic: minutes for this one, hours for a book
+    collection in one row). A bound 50x above the linear time, not a benchmark."""
+    import time
+
+    from finetune.data.mixture import Example, RowBuilder
+
+    builder = RowBuilder("blocks", 16, sources=2)
+    builder.add(Example(list(range(10)), None, source=1))
+    huge = list(range(10, 800_010))
+    start = time.perf_counter()
+    builder.add(Example(huge, None, source=0))
+    seconds = time.perf_counter() - start
+    rows = list(builder.ready)
+    assert len(rows) == 800_010 // 16 and builder.carry == list(range(800_000, 800_010))
+    assert [t for row in rows for t in row["input_ids"]] == list(range(800_000))
+    assert rows[0]["source_tokens"] == [6, 10] and rows[0]["source_examples"] == [1, 1]
+    assert rows[1]["source_tokens"] == [16, 0] and rows[1]["source_examples"] == [0, 0]
+    assert seconds < 5, seconds
