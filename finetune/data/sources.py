@@ -12,7 +12,7 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from datasets.data_files import SPLIT_KEYWORDS
@@ -85,8 +85,7 @@ def _load_local(dataset: str, files: list[Path], file_builders: dict[str, str], 
         raise UsageError(f"--dataset {path}: unsupported file type {builder!r}; use {accepted}")
     if builder in ("json", "text", "csv") and not streaming:  # a stream's bad bytes are found as it is read
         for file in files:
-            if file.suffix.lower() not in COMPRESSIONS:
-                check_utf8(file, "--dataset")
+            check_utf8(file, "--dataset")
     if any(file.suffix.lower() == ".zst" for file in files):
         try:
             import zstandard  # noqa: F401  datasets opens .zst files with it
@@ -119,22 +118,52 @@ def root_cause(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
+def decompressed_chunks(path: Path, size: int = 1 << 22) -> Iterator[bytes]:
+    """The file's content in chunks, through the decompressor its suffix names;
+    nothing more once an archive turns out damaged, or needs a decompressor
+    this Python lacks (datasets' reader then says which)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix not in COMPRESSIONS:
+            f = path.open("rb")
+        elif suffix == ".zst":
+            import zstandard
+
+            f = zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True)
+        else:
+            import bz2
+            import gzip
+            import lzma
+
+            f = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix](path, "rb")
+        with f:
+            while chunk := f.read(size):
+                yield chunk
+    except (ImportError, EOFError, OSError, ValueError, RuntimeError):
+        if suffix not in COMPRESSIONS:
+            raise
+        return
+
+
 def check_utf8(path: Path, option: str) -> None:
     """Text files are read as UTF-8; a byte that is not would surface later as
-    a traceback from inside the reader. Checked in chunks (about 1 GB/s)."""
+    a traceback from inside the reader. Checked in chunks (about 1 GB/s), a
+    compressed file's content as it decompresses."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                raise UsageError(f"{option} {path} is not UTF-8 text (at byte offset {offset + e.start}: "
-                                 f"{e.object[e.start]:#04x}); "
-                                 f"convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > "
-                                 f"{path.with_name(path.stem + '.utf8' + path.suffix)} "
-                                 "if it is Latin-1") from None
-            offset += len(chunk)
+    for chunk in decompressed_chunks(path):
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as e:
+            where = f"at byte offset {offset + e.start}: {e.object[e.start]:#04x}"
+            if path.suffix.lower() in COMPRESSIONS:
+                raise UsageError(f"{option} {path} is not UTF-8 text ({where} of its content); decompress it, "
+                                 "convert it to UTF-8 (iconv -f latin1 -t utf-8 if it is Latin-1) and compress it "
+                                 "again") from None
+            raise UsageError(f"{option} {path} is not UTF-8 text ({where}); convert it to UTF-8, e.g. iconv -f "
+                             f"latin1 -t utf-8 {path} > {path.with_name(path.stem + '.utf8' + path.suffix)} if it "
+                             "is Latin-1") from None
+        offset += len(chunk)
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:

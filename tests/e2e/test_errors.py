@@ -125,9 +125,13 @@ def _template_without_system(tmp: Path) -> Path:
 ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
 
 
-def _latin1_jsonl(tmp: Path) -> Path:
-    (tmp / "latin1.jsonl").write_bytes('{"text": "caf\u00e9 au lait"}\n'.encode("latin-1"))
-    return tmp / "latin1.jsonl"
+def _latin1_jsonl(tmp: Path, compressed: bool = False) -> Path:
+    import gzip
+
+    content = '{"text": "caf\u00e9 au lait"}\n'.encode("latin-1")
+    path = tmp / ("latin1.jsonl.gz" if compressed else "latin1.jsonl")
+    path.write_bytes(gzip.compress(content) if compressed else content)
+    return path
 
 
 def _a_file(tmp: Path) -> Path:
@@ -191,6 +195,8 @@ CASES = {
         "example 1: the chat template refused the conversation (no system turns)"),
     "a seed out of range": (lambda t: ["--seed", "-1"], "--seed must be between 0 and 4294967295, got -1"),
     "data that is not UTF-8": (lambda t: ["--dataset", str(_latin1_jsonl(t))], "is not UTF-8 text (at byte offset 13: 0xe9)"),
+    "compressed data that is not UTF-8": (lambda t: ["--dataset", str(_latin1_jsonl(t, compressed=True))],
+                                          "is not UTF-8 text (at byte offset 13: 0xe9 of its content); decompress it"),
     "an output dir under a file": (lambda t: ["--output_dir", str(_a_file(t) / "run")],
                                    "notes.txt is a file; choose another --output_dir"),
     "a text column that holds conversations": (  # in new parent dirs: they go too
