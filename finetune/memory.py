@@ -130,6 +130,29 @@ DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_si
                   "optimizer", "bf16", "fp16"}
 
 
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")  # what accelerate launch takes
+
+
+def check_launch_settings(launch: dict, path: str) -> None:
+    """The settings the plan reads, of the types accelerate launch takes: a
+    damaged config is one line, not a traceback or a plan for -3 processes."""
+    def refuse(key: str, expected: str) -> UsageError:
+        return UsageError(f"--accelerate_config {path}: {key} is {str(launch[key])[:60]!r}, not {expected}; fix it "
+                          "in the config, or pass one of `finetune configs`")
+
+    for key in ("num_processes", "num_machines"):
+        value = launch.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(key, "a positive whole number")
+    if launch.get("mixed_precision", "no") not in MIXED_PRECISIONS:
+        raise refuse("mixed_precision", f"one of {', '.join(MIXED_PRECISIONS)}")
+    for key in ("fsdp_config", "deepspeed_config", "parallelism_config"):
+        if launch.get(key) is not None and not isinstance(launch[key], dict):
+            raise refuse(key, "a mapping of settings")
+    if not isinstance(launch.get("distributed_type", ""), str):
+        raise refuse("distributed_type", "a name such as FSDP, MULTI_CPU or DEEPSPEED")
+
+
 def read_launch_config(path: str | None, num_processes: int | None = None) -> LaunchConfig:
     """Processes (`num_processes`, where given, instead of the config's), compute
     dtype and the sharding strategy an accelerate config runs."""
@@ -147,6 +170,7 @@ def read_launch_config(path: str | None, num_processes: int | None = None) -> La
         raise UsageError(f"--accelerate_config {path} is a DeepSpeed config, not an accelerate config; pass the "
                          "accelerate config that names it (e.g. `finetune configs --path zero3`), as accelerate "
                          "launch takes it")
+    check_launch_settings(launch, path)
     if num_processes:
         launch = {**launch, "num_processes": num_processes}
     backend = for_launch_config(launch)

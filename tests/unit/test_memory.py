@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, run_in_process
 
 
 def test_estimate_memory_says_what_fits(capsys):
@@ -55,3 +57,19 @@ def test_what_train_refuses_the_planner_refuses(capsys, tmp_path):
         assert main(["estimate-memory", "--model", "tiny-gpt2", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err, err
+
+
+@pytest.mark.parametrize("settings, words", [
+    ("distributed_type: FSDP\nnum_processes: many\n", "num_processes is 'many', not a positive whole number"),
+    ("distributed_type: FSDP\nnum_processes: -3\n", "num_processes is '-3', not a positive whole number"),
+    ("num_machines: 0\n", "num_machines is '0', not a positive whole number"),
+    ("fsdp_config: 3\ndistributed_type: FSDP\n", "fsdp_config is '3', not a mapping of settings"),
+    ("mixed_precision: [bf16]\n", "mixed_precision is \"['bf16']\", not one of no, fp16, bf16, fp8"),
+    ("distributed_type: 42\n", "distributed_type is '42', not a name such as FSDP"),
+])
+def test_a_damaged_accelerate_config_is_one_line(settings, words, tmp_path):
+    (tmp_path / "launch.yaml").write_text(settings)
+    proc = run_in_process("estimate-memory", "--model", "tiny-gpt2", "--accelerate_config", tmp_path / "launch.yaml")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+    assert proc.stdout == ""
