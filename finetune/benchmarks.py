@@ -56,6 +56,15 @@ def check_task_names(names: list[str], manager) -> None:
                          + "; name tasks lm-eval lists (`lm_eval ls tasks`), or pass --tasks_dir with your own")
 
 
+def building_tasks(error: BaseException) -> bool:
+    """Whether lm-eval failed while building the tasks (reading their YAML and
+    data), not while scoring the model."""
+    import traceback
+
+    return any(frame.filename.endswith(("lm_eval/tasks/manager.py", "lm_eval/tasks/_factory.py"))
+               for frame in traceback.extract_tb(error.__traceback__))
+
+
 def check_model_dir(model_dir: Path) -> None:
     """What lm-eval will load, read first: a damaged file is one line here, not a traceback from inside lm-eval."""
     from transformers import AutoConfig, AutoTokenizer
@@ -88,16 +97,26 @@ def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = No
                          "or a .gguf file")
     check_model_dir(model_dir)
     names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not names:
+        raise UsageError(f"--tasks {tasks!r} names no task; pass comma-separated lm-eval task names, e.g. "
+                         "finetune_stdlib_qa or hellaswag,arc_easy")
     manager = task_manager(tasks_dir)
     check_task_names(names, manager)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = chosen_dtype(device)
     settings = {"model_dir": str(model_dir), "device": device, "dtype": dtype, "batch_size": batch_size,
                 "limit": limit, "num_fewshot": num_fewshot, "lm_eval_version": lm_eval.__version__}
-    out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": dtype,
-                                                          "trust_remote_code": False},
-                                  tasks=names, batch_size=batch_size, device=device, limit=limit,
-                                  num_fewshot=num_fewshot, task_manager=manager, log_samples=False)
+    try:
+        out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": dtype,
+                                                              "trust_remote_code": False},
+                                      tasks=names, batch_size=batch_size, device=device, limit=limit,
+                                      num_fewshot=num_fewshot, task_manager=manager, log_samples=False)
+    except Exception as e:  # noqa: BLE001  (a task's own YAML names its data: any failure there is the task's)
+        if not building_tasks(e):
+            raise
+        raise UsageError(f"could not load the data of --tasks {tasks} ({type(e).__name__}: {first_line(e)}); check "
+                         "the task's dataset_path and data_files (offline, its data must be local or in the "
+                         "datasets cache)") from None
     scores = {task: {metric: value for metric, value in result.items() if metric != "alias"}
               for task, result in out["results"].items()}
     if gguf_file:

@@ -125,6 +125,15 @@ def _template_without_system(tmp: Path) -> Path:
 ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
 
 
+def _task_without_data(tmp: Path) -> Path:
+    (tmp / "tasks").mkdir()
+    (tmp / "tasks" / "my_qa.yaml").write_text(
+        "task: my_qa\ndataset_path: json\ndataset_kwargs:\n  data_files: /nonexistent/qa.jsonl\ntest_split: train\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\noutput_type: generate_until\n"
+        "generation_kwargs:\n  until: ['\\n']\n")
+    return tmp / "tasks"
+
+
 def _latin1_jsonl(tmp: Path, compressed: bool = False) -> Path:
     import gzip
 
@@ -332,6 +341,10 @@ OTHER_COMMANDS = {
     "generating past the model's positions": (
         lambda t, run: ["generate", run / "final", "--prompt", "The", "--max_new_tokens", "5000"],
         "pass the 256 positions of"),
+    "--tasks that names no task": (lambda t, run: ["evaluate", run / "final", "--tasks", ","], "names no task"),
+    "an lm-eval task whose data is missing": (
+        lambda t, run: ["evaluate", run / "final", "--tasks", "my_qa", "--tasks_dir", _task_without_data(t)],
+        "could not load the data of --tasks my_qa (FileNotFoundError: "),
     "an accelerate config that is not a mapping": (
         lambda t, run: ["estimate-memory", "--model", "tiny-gpt2", "--accelerate_config", _yaml(t, "- a\n- list\n")],
         "holds a list, not the mapping of settings"),
