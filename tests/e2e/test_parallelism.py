@@ -175,8 +175,9 @@ def test_tp_yaml_runs_as_its_header_documents(tmp_path, env, small_corpus, llama
     assert facts["mixed_precision"] == "bf16" and facts["world_size"] == 4 and facts["steps"] == 2
     assert facts["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
 
+    # Refused on the 4 warm ranks the tensor-parallel test above trained on: a run, not a launch.
     refused = run_cli(["train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", str(tmp_path / "gpt2")],
-                      env, nproc=4, config="tp.yaml", mixed_precision="no")
+                      env, nproc=4, config="tp.yaml", mixed_precision="no", warm=True)
     assert refused.returncode != 0
     errors = {line for line in refused.stderr.splitlines() if line.startswith("error:")}
     assert len(errors) == 1 and "has no tensor-parallel plan in transformers" in errors.pop(), refused.stderr[-2000:]
