@@ -99,8 +99,12 @@ def converted_dir(gguf_path: str) -> Path:
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)  # atomic: a half-written dir is never taken for the model
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
-    print(f"converted: {size / 1e6:,.0f} MB in {target}, read again for this file (FINETUNE_CACHE moves it; "
-          "delete the dir to free the space)", file=sys.stderr, flush=True)
+    # Each GGUF file read is converted once: say what the cache holds, since nothing else would.
+    kept = [d for d in target.parent.iterdir() if d.is_dir() and (d / "config.json").is_file()]
+    total = sum(f.stat().st_size for d in kept for f in d.iterdir() if f.is_file())
+    print(f"converted: {size / 1e6:,.0f} MB in {target}, read again for this file; {target.parent} holds "
+          f"{len(kept)} conversion(s), {total / 1e6:,.0f} MB (FINETUNE_CACHE moves it; delete a dir to free its "
+          "space)", file=sys.stderr, flush=True)
     return target
 
 

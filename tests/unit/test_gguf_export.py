@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import re
 import subprocess
 import sys
 
@@ -371,6 +372,7 @@ sys.exit(code)
                           capture_output=True, text=True, timeout=300)
     check_ok(proc)
     assert "converting" in proc.stderr  # the conversion ran in this process
+    assert re.search(r"cache/gguf holds 1 conversion\(s\), [\d,]+ MB", proc.stderr), proc.stderr  # the cache's size
     assert "\r" not in proc.stderr and "it/s]" not in proc.stderr, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == "deepspeed imported: False" and lines[0].startswith("the model"), proc.stdout
