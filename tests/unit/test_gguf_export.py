@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 
