@@ -33,6 +33,7 @@ from finetune.data.chat import load_chat_template, pad_id
 from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
 from finetune.methods.preference import METRICS, PairLogps, PairLosses, preference_loss
+from finetune.report import plain_logs
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
@@ -252,7 +253,8 @@ def precompute_reference(task: PreferenceLM, accelerator: Accelerator, model: to
     scores = []
     was_training = model.training
     model.eval()
-    with tqdm(total=len(pairs), desc="reference log-probs", disable=not accelerator.is_main_process) as bar:
+    bar_shown = accelerator.is_main_process and not plain_logs(task.cfg.log_format)  # none in a redirected log
+    with tqdm(total=len(pairs), desc="reference log-probs", disable=not bar_shown) as bar:
         for start in range(0, per_rank, size):
             batch = {k: v.to(accelerator.device) for k, v in collate([pairs[i] for i in mine[start:start + size]]).items()}
             with torch.no_grad():
