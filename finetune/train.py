@@ -204,10 +204,10 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     backend.fit_to_run(accelerator, cfg.per_device_batch_size, cfg.max_grad_norm)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     backend.after_prepare(model)
-    task.prepared(accelerator, backend, model)
     if task.own_shards is not None:
         task.own_shards.fill(model, task.method.added_by_method)  # each rank reads the rows of the weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
+    task.prepared(accelerator, backend, model)  # after the weights: it may run the model (--precompute_reference)
     load_peak_rss = host.peak()
 
     checkpoints = CheckpointManager(

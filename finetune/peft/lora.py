@@ -208,6 +208,26 @@ def merged_into(base: PreTrainedModel, adapters: dict[str, torch.Tensor], config
                           lambda names: {name: tensors[name] for name in names}, layers)
 
 
+@contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """Each adapted layer computes as its base, the adapters' requires_grad
+    untouched. peft's own switch (`disable_adapter`) also turns requires_grad
+    off, and FSDP2 under mixed precision fixes a parameter's gradient dtype at
+    its first forward: a first forward with the adapters off
+    (--precompute_reference) had the first backward refuse their bf16 gradients."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, disabled in zip(layers, before):
+            layer._disable_adapters = disabled
+
+
 class LoRA(FullFineTune):
     """Adapters on a frozen base, whose origin the checkpoints record."""
     name = "lora"
@@ -234,8 +254,8 @@ class LoRA(FullFineTune):
         return f", of which {trainable:,} trainable ({self.name} adapters on a frozen base)"
 
     def adapters_off(self, model: torch.nn.Module):
-        """peft's own switch: the base's forward, the adapters kept."""
-        return model.disable_adapter()
+        """The base's forward, the adapters kept."""
+        return adapters_disabled(model)
 
     def added_by_method(self, name: str) -> bool:
         return ".lora_" in name or name.startswith("lora_")

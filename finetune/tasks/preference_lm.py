@@ -111,6 +111,9 @@ class PreferenceLM(CausalLM):
             self.reference_params_per_rank = shard_report(self.reference, accelerator).local_params_per_rank
         if self.cfg.precompute_reference and self.reference_table is None:
             self.reference_table = precompute_reference(self, accelerator, model)
+            # Scored with forwards alone: under adapters the reference is the policy, whose root
+            # unit FSDP2 keeps gathered after a forward, into training where it must be sharded.
+            backend.after_evaluation(model)
         if self.reference_table is not None:  # training holds no reference
             self.reference, self.reference_params_per_rank = None, []
             gc.collect()

@@ -348,9 +348,10 @@ def test_precomputed_reference_log_probs_take_the_same_steps_and_are_reused(lear
     DPO then log the steps of the runs that held a reference, and hold none."""
     full, lora = ([*json_args(learnt, name), "--max_steps", "4", "--precompute_reference"] for name in ("full", "lora"))
     first = [run_cli(["train", *args, "--output_dir", tmp_path / name], env, mixed_precision="no", warm=True)
-             for args, name in ((full, "full"), (lora, "lora"))]
-    # The full run scores the pairs; the LoRA run's reference (the base, adapters off) is the same model: it reads them.
-    for proc, name, says in zip(first, ("full", "lora"), ("computed once, cached in", "read from")):
+             for args, name in ((lora, "lora"), (full, "full"))]
+    # The LoRA run scores the pairs (the base, adapters off, read from its files shard by shard first), then
+    # trains sharded; the full run's reference is the same model: it reads them.
+    for proc, name, says in zip(first, ("lora", "full"), ("computed once, cached in", "read from")):
         check_ok(proc)
         assert f"reference log-probs of 128 pairs {says}" in proc.stdout, proc.stdout[-2000:]
         steps, expected = ({r["step"]: r for r in train_rows(d)} for d in (tmp_path / name, learnt[name]))

@@ -94,10 +94,14 @@ def test_each_method_runs_the_model_without_what_it_added():
     for name, p in model.named_parameters():
         if ".lora_B." in name:
             torch.nn.init.normal_(p)  # peft starts B at zero: the adapters would change nothing yet
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         adapted = model(tokens).logits.clone()
         with method.adapters_off(model):
             off = model(tokens).logits.clone()
+            # Still trainable while off: FSDP2 under bf16 fixes a parameter's gradient dtype at its
+            # first forward, and a first forward with them frozen had the first backward refuse them.
+            assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
         again = model(tokens).logits
     assert not torch.allclose(adapted, base_logits, atol=1e-4)
     torch.testing.assert_close(off, base_logits, rtol=0, atol=1e-6)
