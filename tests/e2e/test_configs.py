@@ -12,18 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import (
-    CONFIGS,
-    REPO,
-    check_ok,
-    common_args,
-    free_port,
-    run_cli,
-    run_cli_together,
-    run_in_process,
-    train_rows,
-)
 
+from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_cli_together, run_in_process, train_rows
 from e2e.test_errors import children_cpu_seconds
 
 pytestmark = pytest.mark.slow

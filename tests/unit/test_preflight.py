@@ -15,6 +15,41 @@ from finetune.data.locations import TEXT_FILES, locate
 from finetune.errors import UsageError
 
 
+# Each run through `main`, as a rank runs it, in one fresh process under its own
+# environment additions; then which of the heavy libraries that process imported.
+RUNS_IN_ONE_PROCESS = """
+import contextlib, io, json, os, sys
+from finetune.cli import main
+results = []
+for environment, argv in json.loads(sys.argv[1]):
+    saved = dict(os.environ)
+    os.environ.update(environment)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append((code, err.getvalue()))
+print(json.dumps({"results": results, "loaded": [m for m in ("torch", "transformers", "datasets", "accelerate")
+                                                 if m in sys.modules]}))
+"""
+
+
+def one_line_refusals(runs: list[tuple[dict, list[str], str]]) -> list[str]:
+    """Each (environment, train ARGS, words) run exits 2 with one line holding
+    the words; returns the heavy libraries the process imported."""
+    argvs = [(environment, ["train", *args]) for environment, args, _ in runs]
+    proc = subprocess.run([sys.executable, "-c", RUNS_IN_ONE_PROCESS, json.dumps(argvs)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    for (environment, args, words), (code, stderr) in zip(runs, found["results"]):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], \
+            (environment, args, stderr)
+    return found["loaded"]
+
+
 def test_a_dataset_value_is_located_by_the_file_system_alone(tmp_path):
     (tmp_path / "a.jsonl").write_text("{}\n")
     (tmp_path / "dir").mkdir()
@@ -52,24 +87,8 @@ def test_bad_paths_end_before_torch_transformers_or_datasets_load(tmp_path):
         (["--dataset", data, "--model", "lecture-cnn"], "is for --task image-classification"),
         (["--dataset", data, "--method", "dpo", "--reference_model", "./gone"], "--reference_model ./gone does not"),
     ]
-    script = f"""
-import contextlib, io, json, sys
-from finetune.cli import main
-results = []
-for args in {[args for args, _ in cases]!r}:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(["train", "--output_dir", {str(tmp_path / "run")!r}, *args])
-    results.append((code, err.getvalue()))
-print(json.dumps({{"results": results, "loaded": [m for m in ("torch", "transformers", "datasets") if m in sys.modules]}}))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
-    for (args, words), (code, stderr) in zip(cases, found["results"]):
-        lines = stderr.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (args, stderr)
-    assert found["loaded"] == []
+    run = ["--output_dir", str(tmp_path / "run")]
+    assert one_line_refusals([({}, [*run, *args], words) for args, words in cases]) == []
     assert not (tmp_path / "run").exists()
 
 
@@ -106,28 +125,7 @@ def test_what_needs_a_gpu_ends_before_transformers_or_datasets_load(tmp_path):
          "with FSDP2 only"),
         ({**fsdp, "FSDP_VERSION": "1", "FINETUNE_QLORA_ON_CPU": "1"}, ["--peft", "qlora"], "(FSDP1) needs a GPU"),
     ]
-    script = f"""
-import contextlib, io, json, os, sys
-from finetune.cli import main
-results = []
-for environment, args in {[(e, a) for e, a, _ in cases]!r}:
-    saved = dict(os.environ)
-    os.environ.update(environment)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(["train", "--dataset", {str(tmp_path / "notes.txt")!r}, "--output_dir", {str(tmp_path / "run")!r},
-                     *args])
-    os.environ.clear()
-    os.environ.update(saved)
-    results.append((code, err.getvalue()))
-print(json.dumps({{"results": results, "loaded": [m for m in ("transformers", "datasets", "accelerate")
-                                                   if m in sys.modules]}}))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
-    for (environment, args, words), (code, stderr) in zip(cases, found["results"]):
-        lines = stderr.strip().splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (environment, stderr)
-    assert found["loaded"] == []
+    run = ["--dataset", str(tmp_path / "notes.txt"), "--output_dir", str(tmp_path / "run")]
+    loaded = one_line_refusals([(environment, [*run, *args], words) for environment, args, words in cases])
+    assert "transformers" not in loaded and "datasets" not in loaded and "accelerate" not in loaded, loaded
     assert not (tmp_path / "run").exists()
