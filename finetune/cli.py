@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="fine-tune a model (launch with accelerate launch for FSDP)")
     _add_config_options(train)
+    train.add_argument("--dry_run", action="store_true",
+                       help="check the options, the paths they name, the run dir and the launch (processes, "
+                            "backend, mesh), then exit without loading a model or data or writing anything "
+                            "(default: False)")
     train.set_defaults(func=cmd_train, subparser=train)
 
 
@@ -393,7 +397,28 @@ def _run(cfg: TrainConfig, default_run_dir: bool = False) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _overrides(args))
+    if args.dry_run:
+        return _dry_run(cfg.resolved(), default_run_dir=not cfg.output_dir)
     return _run(cfg.resolved(), default_run_dir=not cfg.output_dir)
+
+
+def _dry_run(cfg: TrainConfig, default_run_dir: bool) -> int:
+    """What `train` checks before the libraries load, and nothing after: a
+    command's options, paths and launch checked in a second, on every rank."""
+    from finetune.launch_request import fsdp_requested, fsdp_version, launched_world_size
+    from finetune.preflight import check_before_loading
+
+    check_before_loading(cfg)
+    if is_rank_zero():
+        processes = launched_world_size()
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        backend = (f"FSDP{fsdp_version()}" if fsdp_requested() else "DeepSpeed" if deepspeed
+                   else "DDP" if processes > 1 else "no sharding")
+        run_dir = "a new run dir under outputs/" if default_run_dir else f"run dir {cfg.output_dir}"
+        data = ", ".join(cfg.sources)
+        print(f"dry run: the options, --model {cfg.model}, --dataset {data}, {run_dir} and the launch "
+              f"({processes} process(es), {backend}) check out; nothing was loaded, trained or written")
+    return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

@@ -129,3 +129,23 @@ def test_what_needs_a_gpu_ends_before_transformers_or_datasets_load(tmp_path):
     loaded = one_line_refusals([(environment, [*run, *args], words) for environment, args, words in cases])
     assert "transformers" not in loaded and "datasets" not in loaded and "accelerate" not in loaded, loaded
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_checks_what_train_checks_first_and_writes_nothing(tmp_path):
+    """`train --dry_run`: exit 0 and one line when the command checks out, the
+    same one-line refusal as `train` when it does not; no model, data or
+    libraries beyond torch loaded, and nothing written."""
+    (tmp_path / "notes.txt").write_text("some text\n")
+    check = ("import sys; from finetune.cli import main; code = main(sys.argv[1:]); "
+             "print([m for m in ('transformers', 'datasets', 'accelerate') if m in sys.modules]); sys.exit(code)")
+    ok = subprocess.run([sys.executable, "-c", check, "train", "--model", "tiny-gpt2", "--dataset", "notes.txt",
+                         "--output_dir", "outputs/run", "--dry_run"], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    line, loaded = ok.stdout.strip().splitlines()
+    assert line.startswith("dry run: ") and "run dir outputs/run" in line and "nothing was loaded" in line
+    assert loaded == "[]" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    bad = subprocess.run([sys.executable, "-m", "finetune", "train", "--model", "tiny-gpt2", "--dataset", "none.txt",
+                          "--dry_run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "none.txt does not exist" in lines[0], bad.stderr
