@@ -857,7 +857,7 @@ def suite_startup(args) -> tuple[list[dict], str]:
     return final, "\n".join(lines)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data"],
                         default=None,
@@ -883,7 +883,11 @@ def main() -> None:
     parser.add_argument("--data_tokens", type=int, default=2_000_000, help="data: tokens the pipeline is timed over")
     parser.add_argument("--only", default="",
                         help="run only the configs suite's cases whose config contains this (or one of these, comma-separated)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,

@@ -392,59 +392,190 @@ def checkpointed_run(tmp_path_factory, worker_id, env, small_corpus) -> Path:
     return made_once(tmp_path_factory, worker_id, "checkpointed", train) / "run"
 
 
-# --- the README's commands ------------------------------------------------------------------------
+# --- the docs' commands ---------------------------------------------------------------------------
 
-# What the README test leaves out, and why: the set-up scripts (CI runs test.sh;
-# quickstart takes minutes), Hub ids (no network here), placeholder paths, a
-# second machine (test_multinode_on_one_machine runs that config), an elision, the benchmarks
-# (minutes each; test_bench runs the smallest case), shell command substitution (test_packaging
-# launches with `finetune configs --path fsdp` from an installed wheel).
-README_SKIPPED = ("bash scripts/", "scripts/bench.py", "--model gpt2 ", "path/to/", "--machine_rank", " ... ", "$(")
+def doc_pages() -> list[Path]:
+    """README.md, then the pages of docs/ in the site's order (mkdocs.yml's nav)."""
+    import yaml
+
+    def names(items):
+        for item in items:
+            for value in (item.values() if isinstance(item, dict) else [item]):
+                yield from names(value) if isinstance(value, list) else [value]
+
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    return [REPO / "README.md", *(REPO / "docs" / name for name in names(nav))]
 
 
-def readme_commands() -> list[str]:
-    """Every command in the README's bash blocks, continuation lines joined, comments dropped."""
-    text = (REPO / "README.md").read_text()
+def docs_commands() -> list[str]:
+    """Every command in the bash blocks of the README and the docs, in reading
+    order, continuation lines joined, comments dropped, each once."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command and not command.startswith("#"):
-                commands.append(re.sub(r"\s+", " ", command))
-    return commands
+    for page in doc_pages():
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for command in block.replace("\\\n", " ").splitlines():
+                command = re.sub(r"\s+#.*$", "", command).strip()
+                if command and not command.startswith("#"):
+                    commands.append(re.sub(r"\s+", " ", command))
+    return list(dict.fromkeys(commands))
+
+
+def output_dir_of(words: list[str]) -> str | None:
+    return words[words.index("--output_dir") + 1] if "--output_dir" in words else None
+
+
+def how_docs_check(command: str, later: list[str], work: Path) -> str:
+    """What the docs test does with a command:
+    - "run": as written, for real: a command that shows a behaviour, and a
+      training run a later command goes on from (resumes, exports, trains on);
+    - "dry_run": a training launch, as written plus --dry_run (its options,
+      paths and launch checked): a run nothing later needs, or one that needs
+      the network, a GPU, the quickstart's model or the reader's own files
+      (stood in for by small files);
+    - "parse": parsed by its program's own parser: a second machine, a
+      benchmark, an lm-eval score of a model made elsewhere;
+    - "script" / "pip" / "mkdocs": the script exists / the extras exist / a
+      MkDocs command (the site is built by test_docs)."""
+    words = command.split()
+    if words[0] == "bash":
+        return "script"
+    if words[:2] == ["pip", "install"]:
+        return "pip"
+    if words[0] == "mkdocs":
+        return "mkdocs"
+    if words[:2] == ["python", "scripts/bench.py"] or "--machine_rank" in words:
+        return "parse"
+    if words[:2] == ["accelerate", "launch"]:
+        out = output_dir_of(words)
+        needed = out and not (work / out).exists() and any(out in c.split()[1:] or f"{out}/" in c for c in later)
+        runnable = not any(mark in command for mark in ("path/to/", "$(", "--peft qlora", "--model gpt2 "))
+        return "run" if needed and runnable and "--dry_run" not in words else "dry_run"
+    if words[0] == "finetune" and "--tasks" in words and "$(" in command:
+        return "parse"
+    return "run"
+
+
+def stand_in(placeholder: str, work: Path) -> None:
+    """A small real thing at a `path/to/...` placeholder (or the quickstart's
+    run): a data file or dir by its name, a small chat model otherwise."""
+    from sft_models import conversations, save_chat_model, write_jsonl
+
+    path = work / placeholder
+    name = path.name
+    if "*" in name:  # a glob: one file it matches
+        path = path.with_name(name.replace("*", "0000"))
+        name = path.name
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = conversations(8) if any(word in name for word in ("chat", "conversation")) else [
+        {"text": f"note {i}: the model reads a file", "body": f"note {i}: the model reads a file"} for i in range(8)]
+    if placeholder.endswith("/"):
+        path.mkdir()
+        write_jsonl(path / "train.jsonl", rows)
+    elif name.endswith(".jsonl"):
+        write_jsonl(path, rows)
+    elif name.endswith(".jsonl.zst"):
+        import zstandard
+
+        path.write_bytes(zstandard.ZstdCompressor().compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    elif name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        save_chat_model(path)
+
+
+def placeholders(command: str) -> list[str]:
+    found = re.findall(r"path/to/[^\s'\"]+", command)
+    if "outputs/quickstart-*/final" in command:
+        found.append("outputs/quickstart-docs/final")
+    return found
 
 
 @pytest.fixture(scope="session")
 @launches
-def readme_workdir(tmp_path_factory, worker_id, env) -> Path:
-    """Runs the README's commands in order in a fresh dir, as a user would copy them:
+def docs_workdir(tmp_path_factory, worker_id, env) -> Path:
+    """Runs the docs' commands in order in a fresh dir, as a user would copy them:
     `accelerate launch` for real, with nothing added but a free port (so in the
     config's bf16 on any CPU), `finetune ...` through the console script's `main`."""
-    return made_once(tmp_path_factory, worker_id, "readme", lambda work: run_readme_commands(work, env))
+    return made_once(tmp_path_factory, worker_id, "docs", lambda work: run_docs_commands(work, env))
 
 
-def run_readme_commands(work: Path, env: dict) -> None:
+def run_docs_commands(work: Path, env: dict) -> None:
     from contextlib import chdir
 
     (work / "accelerate_configs").symlink_to(CONFIGS)
-    for command in readme_commands():
-        if any(marker in command for marker in README_SKIPPED):
-            continue
+    shell_env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.environ['PATH'])}"}
+    commands = docs_commands()
+    for i, command in enumerate(commands):
+        how = how_docs_check(command, commands[i + 1:], work)
+        for placeholder in placeholders(command):
+            stand_in(placeholder, work)
         words = shlex.split(command)
-        if words[:2] == ["accelerate", "launch"]:
-            extra = ["--main_process_port", str(free_port())]
-            proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *extra, *words[2:]],
-                                  env=env, cwd=work, capture_output=True, text=True, timeout=300)
+        if how in ("script", "pip", "mkdocs", "parse"):
+            check_as_parsed(how, command, words)
+            continue
+        if how == "dry_run" or words[:2] == ["accelerate", "launch"]:
+            launched = command.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
+            launched += " --dry_run" if how == "dry_run" and "--dry_run" not in words else ""
+            # QLoRA's options and paths are checked on CPU as the tests run QLoRA here.
+            extra = {"FINETUNE_QLORA_ON_CPU": "1"} if "--peft qlora" in command else {}
+            proc = subprocess.run(["bash", "-c", launched], env={**shell_env, **extra}, cwd=work, capture_output=True,
+                                  text=True, timeout=300)
+            if how == "dry_run":
+                assert proc.returncode == 0 and "dry run: " in proc.stdout, (command, proc.stderr[-3000:])
         elif words[:2] == ["finetune", "resume"]:  # relaunches itself: a process of its own, in the tests' env
             proc = subprocess.run([sys.executable, "-m", "finetune", *words[1:]], env=env, cwd=work,
                                   capture_output=True, text=True, timeout=300)
-        elif words[0] == "finetune":
+        elif words[0] == "finetune" and "$(" not in command:
             with chdir(work):
                 proc = run_in_process(*words[1:])
-        elif words[0] == "python":
-            proc = subprocess.run([sys.executable, *words[1:]], env=env, cwd=work, capture_output=True, text=True)
-        else:
-            raise AssertionError(f"the README test does not know how to run: {command}")
+        else:  # python -c, grep, a command substitution: through the shell, as typed
+            proc = subprocess.run(["bash", "-c", command], env=shell_env, cwd=work, capture_output=True, text=True,
+                                  timeout=300)
         check_ok(proc)
         with (work / "commands.log").open("a") as log:
             log.write(f"$ {command}\n{proc.stdout}\n")
+
+
+def check_as_parsed(how: str, command: str, words: list[str]) -> None:
+    """What a command that is not run is held to. A command substitution
+    stands for a path (a script it runs must exist)."""
+    for script in re.findall(r"\$\(bash (\S+)\)", command):
+        assert (REPO / script).is_file(), command
+    words = shlex.split(re.sub(r"\$\([^)]*\)", "MODEL_DIR", command))
+    if how == "script":
+        assert (REPO / words[1]).is_file(), command
+    elif how == "pip":
+        import tomllib
+
+        extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        for spec in words[2:]:
+            if spec.startswith(".["):
+                assert set(spec[2:-1].split(",")) <= set(extras), (command, sorted(extras))
+            elif spec.startswith("torch=="):  # the build the set-up scripts install
+                assert f"FINETUNE_TORCH_VERSION:-{spec[7:]}" in (REPO / "scripts" / "_env.sh").read_text(), command
+    elif how == "mkdocs":
+        assert words[1] in ("serve", "build"), command
+    elif words[:2] == ["python", "scripts/bench.py"]:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        bench.build_parser().parse_args(words[2:])
+    elif words[:2] == ["accelerate", "launch"]:
+        from accelerate.commands.launch import launch_command_parser
+
+        from finetune.cli import build_parser
+
+        launch = launch_command_parser().parse_args(words[2:])
+        assert (REPO / launch.config_file).is_file() and launch.module and launch.training_script == "finetune", command
+        build_parser().parse_args(launch.training_script_args)
+    else:  # a finetune command whose model comes from elsewhere
+        from finetune.cli import build_parser
+
+        build_parser().parse_args(words[1:])

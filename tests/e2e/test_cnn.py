@@ -17,7 +17,7 @@ from conftest import check_ok, dcp_elements_per_file, read_jsonl, run_cli, run_i
 
 pytestmark = pytest.mark.slow
 
-# The README's command: the lectures' recipe is for MNIST's 60,000 images; on
+# The docs' command: the lectures' recipe is for MNIST's 60,000 images; on
 # 1,437 digits its global batch of 512 makes 2 steps an epoch, so it takes smaller steps.
 TRAIN_IMAGES = 1437
 STEPS_PER_EPOCH = TRAIN_IMAGES // 16 // 2  # whole batches of 16, split over 2 ranks
@@ -25,10 +25,10 @@ MIN_NUM_PARAMS = 512  # fsdp_cnn.yaml
 
 
 @pytest.fixture(scope="module")
-def cnn_run(readme_workdir) -> Path:
-    """The README's CNN command: 3 epochs, fp32 (fsdp_cnn.yaml), a checkpoint
+def cnn_run(docs_workdir) -> Path:
+    """The docs' CNN command: 3 epochs, fp32 (fsdp_cnn.yaml), a checkpoint
     after epoch 2 and at the end, metrics to jsonl and TensorBoard."""
-    run_dir = readme_workdir / "outputs" / "digits"
+    run_dir = docs_workdir / "outputs" / "digits"
     assert json.loads((run_dir / "summary.json").read_text())["model"] == "lecture-cnn"
     return run_dir
 

@@ -95,8 +95,8 @@ def test_activation_checkpointing_same_losses_less_memory(tmp_path, env, small_c
 # Where each shipped config is launched exactly as its header documents it. The
 # test below runs those with a `[OPTIONS]` line; the others are run so elsewhere.
 DOCUMENTED_ELSEWHERE = {
-    "fsdp.yaml": "test_readme (the README's commands, as written)",
-    "fsdp_cnn.yaml": "test_cnn (the README's CNN command)",
+    "fsdp.yaml": "test_docs (the docs' commands, as written)",
+    "fsdp_cnn.yaml": "test_cnn (the docs' CNN command)",
     "multinode.yaml": "test_multinode_on_one_machine",
     "tp.yaml": "test_parallelism's test_tp_yaml_runs_as_its_header_documents (a Llama: GPT-2 has no tensor-parallel plan)",
     "zero1.yaml": "test_deepspeed's zero_runs", "zero2.yaml": "test_deepspeed's zero_runs",

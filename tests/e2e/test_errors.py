@@ -4,7 +4,7 @@ and the fix, exit code 2, no traceback, and the files around it unchanged.
 Single-process cases go through `finetune.cli.main` (what the console script
 calls) in this process; the cases that depend on several ranks run under
 `accelerate launch` with 2 processes. The messages seen here are the ones the
-README's troubleshooting section lists (`test_readme_lists_every_message`).
+troubleshooting page lists (`test_the_troubleshooting_page_lists_every_message`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from finetune.checkpoint import verify_checkpoint
 from finetune.errors import UsageError
 from finetune.lock import LOCK_FILE
 
-README = REPO / "README.md"
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
 SEEN: dict[str, str] = {}  # case id -> message, with the test's paths replaced by placeholders
 
 
@@ -57,7 +57,7 @@ def one_error_line(stderr: str) -> str:
 
 
 def remember(case: str, line: str, tmp_path: Path) -> None:
-    """As the README shows it: the test's paths as DIR, step numbers as N (they vary with timing)."""
+    """As the troubleshooting page shows it: the test's paths as DIR, step numbers as N (they vary with timing)."""
     line = line.replace(str(tmp_path), "DIR")
     SEEN[case] = re.sub(r"step_\d{6}", "step_NNNNNN", re.sub(r"step \d+", "step N", line))
 
@@ -632,22 +632,22 @@ def test_sigterm_to_every_process_of_the_launch_leaves_a_resumable_checkpoint(tm
     remember("SIGTERM or Ctrl-C", stopped[0][stopped[0].index("stopped: "):], tmp_path)
 
 
-# --- the README ----------------------------------------------------------------------------------
+# --- the troubleshooting page ----------------------------------------------------------------------------------
 
-def test_readme_lists_every_message():
+def test_the_troubleshooting_page_lists_every_message():
     """Runs last in this file: every message seen above, as the troubleshooting
-    section shows it. FINETUNE_UPDATE_README=1 rewrites the section instead."""
+    page shows it. FINETUNE_UPDATE_DOCS=1 rewrites the table instead."""
     if len(SEEN) < len(CASES) + 10:  # the table above and the ten tests after it
-        pytest.skip("run the whole file to compare the README")
-    text = README.read_text()
+        pytest.skip("run the whole file to compare the troubleshooting page")
+    text = TROUBLESHOOTING.read_text()
     start = text.index("<!-- troubleshooting:start -->")
     end = text.index("<!-- troubleshooting:end -->")
     rows = "".join(f"| {case} | {message.replace('|', '&#124;')} |\n" for case, message in sorted(SEEN.items()))
     section = "<!-- troubleshooting:start -->\n| situation | what finetune says |\n| --- | --- |\n" + rows
-    if os.environ.get("FINETUNE_UPDATE_README"):
-        README.write_text(text[:start] + section + text[end:])
+    if os.environ.get("FINETUNE_UPDATE_DOCS"):
+        TROUBLESHOOTING.write_text(text[:start] + section + text[end:])
         return
-    assert text[start:end] == section, "README troubleshooting is stale: FINETUNE_UPDATE_README=1 bash scripts/test.sh tests/e2e/test_errors.py"
+    assert text[start:end] == section, "docs/troubleshooting.md is stale: FINETUNE_UPDATE_DOCS=1 bash scripts/test.sh tests/e2e/test_errors.py"
 
 
 LAUNCHED_CASES = {  # case -> (arguments, the error's words, whether it needs no process group)

@@ -1,46 +1,60 @@
-"""The README's commands, run as written (see `readme_workdir` in conftest.py
-for which are left out and why), and what they promise."""
+"""The commands of the README and the docs, run or checked as written (see
+`how_docs_check` in conftest.py), what they promise, and the site they build."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import README_SKIPPED, REPO, check_ok, free_port, readme_commands
+from conftest import REPO, check_ok, doc_pages, docs_commands, free_port
 
 pytestmark = pytest.mark.slow
 
 
-def test_readme_has_the_commands_this_test_runs():
-    commands = readme_commands()
-    run = [c for c in commands if not any(marker in c for marker in README_SKIPPED)]
-    assert commands[:2] == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]  # the two commands first
-    assert any("-m finetune train" in c for c in run)
-    assert {c.split()[1] for c in run if c.startswith("finetune ")} == {"resume", "export", "generate", "evaluate",
-                                                                        "estimate-memory", "configs"}
+def test_the_docs_hold_the_commands_this_test_runs():
+    commands = docs_commands()
+    assert commands[:2] == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]  # the README's two commands first
+    assert any("-m finetune train" in c for c in commands)
+    assert {c.split()[1] for c in commands if c.startswith("finetune ")} == {"resume", "export", "generate", "evaluate",
+                                                                            "estimate-memory", "configs"}
+    assert len(REPO.joinpath("README.md").read_text().splitlines()) <= 250  # the front door stays short
 
 
-def test_readme_training_resuming_and_export(readme_workdir):
-    run_dir = readme_workdir / "outputs" / "my-run"
+def test_every_page_is_in_the_site_and_every_example_writes_under_outputs():
+    pages = doc_pages()
+    assert {p.name for p in pages[1:]} == {p.name for p in (REPO / "docs").glob("*.md")}  # no page left out of the nav
+    for command in docs_commands():
+        words = command.split()
+        for option in ("--output_dir", "--output"):
+            if option in words:
+                target = words[words.index(option) + 1]
+                assert target.startswith(("outputs/", "/shared/")), command  # git ignores outputs/
+
+
+def test_docs_training_resuming_and_export(docs_workdir):
+    run_dir = docs_workdir / "outputs" / "my-run"
     summary = json.loads((run_dir / "summary.json").read_text())
     # Trained to 30, then resumed to 40 by `finetune resume` typed without a launcher: relaunched under FSDP.
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2 and summary["steps"] == 40
     assert (run_dir / "checkpoints" / "step_000020").is_dir()
-    assert (readme_workdir / "my-model" / "model.safetensors").is_file()
-    assert json.loads((readme_workdir / "m" / "config.json").read_text())["dtype"] == "bfloat16"
-    log = (readme_workdir / "commands.log").read_text()
+    assert (docs_workdir / "outputs" / "my-model" / "model.safetensors").is_file()
+    assert json.loads((docs_workdir / "outputs" / "m" / "config.json").read_text())["dtype"] == "bfloat16"
+    log = (docs_workdir / "commands.log").read_text()
     assert '"perplexity"' in log and "Return the" in log
 
 
-def test_readme_memory_planner_example(readme_workdir):
+def test_docs_memory_planner_example(docs_workdir):
     """What the README says of the blog's example: 48 GB of state per GPU under
     DDP (it does not fit in 48 GB), about 12 GB under 4-way FSDP (it fits)."""
-    log = (readme_workdir / "commands.log").read_text()
-    section = log[log.index("$ finetune estimate-memory --model gpt2-3b"):]
+    log = (docs_workdir / "commands.log").read_text()
+    section = log[log.index("$ finetune estimate-memory --model outputs/gpt2-3b"):]
     end = section.find("\n$ ", 1)  # the next command's output
     section = section if end < 0 else section[:end]
     rows = {cells[0]: cells for line in section.splitlines() if line.startswith("| ")
@@ -53,13 +67,13 @@ def test_readme_memory_planner_example(readme_workdir):
     assert 12.0 <= state_gb("FSDP full shard") < 12.5 and rows["FSDP full shard"][-1] == "yes"
 
 
-def test_readme_multinode_plan_is_what_the_planner_prints(readme_workdir):
+def test_docs_multinode_plan_is_what_the_planner_prints(docs_workdir):
     """The 8 x 8 plan of a 70B Llama: every table row and recommendation the
-    README prints after its two estimate-memory commands is in their output."""
-    readme = (REPO / "README.md").read_text()
-    plan = readme[readme.index("**A plan for 8 nodes x 8 GPUs"):readme.index("A test runs these commands as printed")]
-    log = (readme_workdir / "commands.log").read_text()
-    outputs = log[log.index("$ finetune estimate-memory --model llama-3-70b"):]
+    planner page prints after its two estimate-memory commands is in their output."""
+    page = (REPO / "docs" / "memory-planner.md").read_text()
+    plan = page[page.index("## A plan for 8 nodes x 8 GPUs"):page.index("A test runs these commands as printed")]
+    log = (docs_workdir / "commands.log").read_text()
+    outputs = log[log.index("$ finetune estimate-memory --model outputs/llama-3-70b"):]
     printed = [line for line in plan.splitlines() if line.startswith(("| FSDP", "| HSDP", "Recommended:"))]
     assert len(printed) >= 12
     for line in printed:
@@ -88,7 +102,7 @@ def test_the_own_files_command_as_written_makes_one_run_dir_when_the_ranks_clock
     is a second ahead, and the run still writes one run dir."""
     from sft_models import save_chat_model
 
-    command = next(c for c in readme_commands() if "--text_column body" in c)
+    command = next(c for c in docs_commands() if "--text_column body" in c and "--dry_run" not in c)
     save_chat_model(tmp_path / "path" / "to" / "hf_model_dir")
     words = "the model reads a file and returns its lines sorted by length then writes them back".split()
     notes = [{"body": f"note {i}: " + " ".join(words[(i + j) % len(words)] for j in range(60))} for i in range(120)]
@@ -105,3 +119,23 @@ def test_the_own_files_command_as_written_makes_one_run_dir_when_the_ranks_clock
     run_dirs = list((tmp_path / "outputs").iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / "final" / "config.json").is_file(), run_dirs
     assert f"run dir: outputs/{run_dirs[0].name}" in proc.stdout
+
+
+def test_the_site_builds_strict_and_a_broken_link_fails_it(tmp_path):
+    """`mkdocs build --strict`: every page, link and anchor resolves. The same
+    build of a copy with one broken anchor fails, so the check is live."""
+    def build(root: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                              cwd=root, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+    proc = build(REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "lora" / "index.html").is_file()
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "docs", copy / "docs")
+    shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
+    page = copy / "docs" / "lora.md"
+    page.write_text(page.read_text() + "\nSee [the planner](memory-planner.md#no-such-section).\n")
+    broken = build(copy)
+    assert broken.returncode != 0 and "no-such-section" in broken.stderr, broken.stderr[-2000:]
