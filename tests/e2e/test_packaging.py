@@ -1,4 +1,4 @@
-"""The package carries what the README and the errors point to: the
+"""The package carries what the docs and the errors point to: the
 accelerate configs, usable from an installed wheel outside the repo."""
 
 from __future__ import annotations

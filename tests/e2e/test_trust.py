@@ -76,7 +76,7 @@ def test_symlinked_checkpoints_are_never_listed_or_pruned(tmp_path):
 
 @pytest.mark.slow
 def test_a_rewound_resume_sets_the_abandoned_timeline_aside(checkpointed_run, tmp_path, env):
-    """The README's NaN recipe: resume from an older checkpoint. Its later
+    """The docs' NaN recipe (resuming.md): resume from an older checkpoint. Its later
     checkpoints belong to the abandoned timeline: moved aside, and the new
     run's own checkpoints are really written."""
     run_dir = copy_run(checkpointed_run, tmp_path)

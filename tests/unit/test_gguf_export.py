@@ -347,7 +347,7 @@ def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text
     """The first read of a GGUF file converts it (save_pretrained, whose unwrap
     imported DeepSpeed wherever installed, and DeepSpeed's warning landed in
     the text `generate` prints on stdout). A GPT-2 of 128 positions, as the
-    README's tiny-gpt2: transformers' reader sized its position table at 1024.
+    docs' tiny-gpt2: transformers' reader sized its position table at 1024.
     Its log, redirected, holds lines, not the libraries' redrawn bars."""
     pytest.importorskip("deepspeed")
     from transformers import GPT2Config, GPT2LMHeadModel
