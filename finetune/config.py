@@ -38,6 +38,8 @@ LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
 TRAINING_METHODS = ("sft", "dpo", "simpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
+# transformers' names; auto picks the fastest the device and model have (finetune/models/attention.py)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
 # Preference tuning moves a model much less than SFT: TRL's DPOConfig default
 # for full fine-tuning, and the rate of its LoRA example.
 PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}
@@ -66,7 +68,7 @@ RESUME_MAY_CHANGE = {
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "checkpoint_at_end", "profile_steps", "sample_prompt",
-                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size"),
+                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size", "attn_implementation"),
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
     "dataloader_num_workers": "applies from the next step (the batches do not depend on it)",
@@ -222,6 +224,11 @@ class TrainConfig:
     lr_gamma: float = _opt(0.5, "the step schedule multiplies the learning rate by this after every epoch")
     max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     seed: int = _opt(42, "seed for model init, data order and dropout")
+    attn_implementation: str = _opt("auto", "causal-lm: the attention kernel, by transformers' names: sdpa or eager "
+                                    "keep packed examples apart with a [batch, 1, block, block] mask; flex_attention "
+                                    "and flash_attention_2 by their position ids alone (no mask, no block^2 memory; "
+                                    "CUDA GPUs); auto: the fastest this device and model have, named on the start "
+                                    "line", choices=ATTN_IMPLEMENTATIONS)
     loss_chunk_size: int = _opt(512, "causal-lm: positions per chunk of the cross-entropy, computed from the output "
                                 "layer's input so that the full [batch, block, vocab] logits never exist (0 = the "
                                 "full logits; same loss either way)")
@@ -350,7 +357,7 @@ class TrainConfig:
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
                               ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", TRAINING_METHODS),
                               ("dpo_loss", DPO_LOSSES), ("mixture_stop", MIXTURE_STOPS),
-                              ("model_dtype", MODEL_DTYPES)):
+                              ("model_dtype", MODEL_DTYPES), ("attn_implementation", ATTN_IMPLEMENTATIONS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 

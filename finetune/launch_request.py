@@ -8,6 +8,7 @@ backends/mesh.py checks the mesh against the backend."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from finetune.errors import UsageError
@@ -60,12 +61,28 @@ def check_qlora_runs_here(num_processes: int, under_fsdp2: bool) -> None:
                          "accelerate_configs/fsdp.yaml, or on one process")
 
 
-def check_launch_runs_here(peft: str) -> None:
+def check_attention_trains_here(attn_implementation: str) -> None:
+    """The kernels that keep packed examples apart without a mask train on GPUs
+    only: torch has no flex-attention backward on a CPU, and flash-attention is
+    CUDA code."""
+    import torch
+
+    if attn_implementation in ("flex_attention", "flash_attention_2") and not torch.cuda.is_available():
+        raise UsageError(f"--attn_implementation {attn_implementation} trains on CUDA GPUs only (torch "
+                         f"{torch.__version__.split('+')[0]} has no {attn_implementation} backward on this machine); "
+                         "pass --attn_implementation sdpa, which keeps packed examples apart with a mask")
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise UsageError("--attn_implementation flash_attention_2 needs the flash-attn package: pip install flash-attn "
+                         "--no-build-isolation, or pass --attn_implementation flex_attention")
+
+
+def check_launch_runs_here(peft: str, attn_implementation: str = "auto") -> None:
     """The launch's processes against the mesh, then what needs a device this machine lacks."""
     check_mesh_size(launched_world_size())
     check_fsdp_runs_here()
     if peft == "qlora":
         check_qlora_runs_here(launched_world_size(), fsdp_requested() and fsdp_version() == 2)
+    check_attention_trains_here(attn_implementation)
 
 
 def requested_mesh() -> dict[str, int] | None:

@@ -14,6 +14,7 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune import models
+from finetune.models import attention
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.data.chat import PadCollator, build_sft_splits, load_chat_template, pad_id
 from finetune.data.mixture import MixedRows
@@ -33,10 +34,11 @@ def attention_inputs(batch: dict, attn_implementation: str) -> dict:
     """Model inputs that keep the examples of a packed (or padded) row apart.
 
     Every example starts at position id 0. Each token may attend to the tokens
-    before it in its own example only: an explicit [B, 1, T, T] block-diagonal
-    causal mask, which transformers passes to the attention kernel untouched.
-    It is exact on every model and device (eager and SDPA attention, CPU and
-    GPU), where position ids alone are honoured only by some attention paths.
+    before it in its own example only. Under sdpa and eager attention that is an
+    explicit [B, 1, T, T] block-diagonal causal mask, which transformers passes
+    to the kernel untouched: exact on every model and device. flex_attention
+    and flash_attention_2 get the position ids alone, from which transformers
+    builds the same document mask without a dense tensor (finetune/models/attention.py).
     Padding (position 0 each) is a one-token example of its own: never seen by
     real tokens, and no target. Plain text blocks have no position ids and keep
     the model's own causal mask."""
@@ -47,12 +49,14 @@ def attention_inputs(batch: dict, attn_implementation: str) -> dict:
     width = positions.size(1)
     causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
     allowed = ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
+    if attn_implementation in attention.WITHOUT_MASK:  # transformers keeps the examples apart by their position ids
+        return {"position_ids": positions}
     if attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device)
         allowed = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
     elif attn_implementation != "sdpa":
-        raise UsageError(f"packed and padded SFT batches need sdpa or eager attention, not {attn_implementation}; "
-                         "load the model with attn_implementation='sdpa'")
+        raise UsageError(f"packed and padded SFT batches need sdpa, eager, flex_attention or flash_attention_2, not "
+                         f"{attn_implementation}; pass --attn_implementation sdpa")
     return {"attention_mask": allowed, "position_ids": positions}
 
 
@@ -107,6 +111,8 @@ class CausalLM(Task):
         if self.method.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
             backend.leave_loading_to_the_ranks(accelerator)
             from_main = False
+        # Packed or padded rows hold several sequences, which the attention must keep apart.
+        self.rows_hold_examples = mixed or data_format != "text"
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
         if from_main:
             if accelerator.mixed_precision != "no":
@@ -116,10 +122,13 @@ class CausalLM(Task):
             if self.own_shards is not None:
                 backend.leave_loading_to_the_ranks(accelerator)
         if mixed:
-            return model, self._mixed_data(loaded, tokenizer, accelerator.process_index)
-        splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
-        return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
-                               collate=self._collate(data_format, tokenizer), data_format=data_format)
+            data = self._mixed_data(loaded, tokenizer, accelerator.process_index)
+        else:
+            splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
+            data = TaskData(splits["train"], splits["validation"], tokenizer, description,
+                            collate=self._collate(data_format, tokenizer), data_format=data_format)
+        data.description += f"; {attention.describe(self.attention)}"
+        return model, data
 
     def _mixed_data(self, loaded: LoadedSources, tokenizer: PreTrainedTokenizerBase, rank: int) -> TaskData:
         """A stream's or a mixture's rows (mixture.py): held-out rows built
@@ -222,6 +231,7 @@ class CausalLM(Task):
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
         models.fuse_activations(model)
+        self.attention = attention.use_attention(model, cfg.attn_implementation, self.rows_hold_examples)
         return tokenizer, self.method.wrap(model, self.model_source, accelerator,
                                            record_base=accelerator.is_main_process or not from_main)
 
