@@ -39,7 +39,7 @@ OPTION_GROUPS = {
     "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",
                  "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
-                 "max_grad_norm", "seed", "loss_chunk_size", "attn_implementation"),
+                 "max_grad_norm", "seed", "loss_chunk_size", "attn_implementation", "use_liger_kernel"),
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
                           "precompute_reference"),

@@ -68,7 +68,8 @@ RESUME_MAY_CHANGE = {
     "per_device_batch_size": "the position in the epoch carries over to within one global batch",
     **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
                      "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "checkpoint_at_end", "profile_steps", "sample_prompt",
-                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size", "attn_implementation"),
+                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size", "attn_implementation",
+                     "use_liger_kernel"),
                     "applies from the next step"),
     "max_shard_size": "applies to the final model dir",
     "dataloader_num_workers": "applies from the next step (the batches do not depend on it)",
@@ -229,6 +230,9 @@ class TrainConfig:
                                     "and flash_attention_2 by their position ids alone (no mask, no block^2 memory; "
                                     "CUDA GPUs); auto: the fastest this device and model have, named on the start "
                                     "line", choices=ATTN_IMPLEMENTATIONS)
+    use_liger_kernel: bool = _opt(False, "causal-lm, CUDA GPUs: Liger's Triton kernels for the RMSNorm, SwiGLU and "
+                                  "rotary embeddings of the families Liger covers (pip install 'finetune[liger]'); "
+                                  "the loss stays finetune's chunked cross-entropy (the Trainer's name)")
     loss_chunk_size: int = _opt(512, "causal-lm: positions per chunk of the cross-entropy, computed from the output "
                                 "layer's input so that the full [batch, block, vocab] logits never exist (0 = the "
                                 "full logits; same loss either way)")

@@ -76,13 +76,26 @@ def check_attention_trains_here(attn_implementation: str) -> None:
                          "--no-build-isolation, or pass --attn_implementation flex_attention")
 
 
-def check_launch_runs_here(peft: str, attn_implementation: str = "auto") -> None:
+def check_liger_runs_here() -> None:
+    """Liger's kernels are Triton code: CUDA GPUs, with the liger extra."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--use_liger_kernel runs Triton kernels, which need a CUDA GPU; drop it on this machine (the "
+                         "chunked loss already keeps the logits small)")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UsageError("--use_liger_kernel needs the liger-kernel package: pip install 'finetune[liger]'")
+
+
+def check_launch_runs_here(peft: str, attn_implementation: str = "auto", use_liger_kernel: bool = False) -> None:
     """The launch's processes against the mesh, then what needs a device this machine lacks."""
     check_mesh_size(launched_world_size())
     check_fsdp_runs_here()
     if peft == "qlora":
         check_qlora_runs_here(launched_world_size(), fsdp_requested() and fsdp_version() == 2)
     check_attention_trains_here(attn_implementation)
+    if use_liger_kernel:
+        check_liger_runs_here()
 
 
 def requested_mesh() -> dict[str, int] | None:

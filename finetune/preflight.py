@@ -31,7 +31,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat_template {cfg.chat_template} {not_a_file(Path(cfg.chat_template))}; pass a Jinja "
                          "template file")
-    check_launch_runs_here(cfg.peft, cfg.attn_implementation)  # last: it imports torch
+    check_launch_runs_here(cfg.peft, cfg.attn_implementation, cfg.use_liger_kernel)  # last: it imports torch
 
 
 def check_model_named(model: str, option: str) -> None:

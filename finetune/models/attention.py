@@ -53,3 +53,17 @@ def use_attention(model, requested: str, rows_hold_examples: bool = True) -> str
 
 def describe(name: str) -> str:
     return f"{name} attention" + (" (packed examples apart by position ids, no mask)" if name in WITHOUT_MASK else "")
+
+
+def use_liger_kernels(model) -> None:
+    """Liger's RMSNorm, SwiGLU and rotary kernels on the model's own modules
+    (its fused linear cross-entropy stays off: the loss is finetune's chunked
+    one, computed from the output layer's input the same way)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = model.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise UsageError(f"--use_liger_kernel: Liger has no kernels for {model_type} models (it covers "
+                         f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)[:8])}, ...); drop the option")
+    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False, cross_entropy=False,
+                                    rms_norm=True, swiglu=True, rope=True)

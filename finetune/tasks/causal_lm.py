@@ -232,6 +232,8 @@ class CausalLM(Task):
         self._check_block_size(model)
         models.fuse_activations(model)
         self.attention = attention.use_attention(model, cfg.attn_implementation, self.rows_hold_examples)
+        if cfg.use_liger_kernel:
+            attention.use_liger_kernels(model)
         return tokenizer, self.method.wrap(model, self.model_source, accelerator,
                                            record_base=accelerator.is_main_process or not from_main)
 

@@ -126,6 +126,7 @@ def test_what_needs_a_gpu_ends_before_transformers_or_datasets_load(tmp_path):
         ({**fsdp, "FSDP_VERSION": "1", "FINETUNE_QLORA_ON_CPU": "1"}, ["--peft", "qlora"], "(FSDP1) needs a GPU"),
         (fsdp, ["--attn_implementation", "flex_attention"], "flex_attention trains on CUDA GPUs only"),
         ({}, ["--attn_implementation", "flash_attention_2"], "backward on this machine); pass --attn_implementation sdpa"),
+        (fsdp, ["--use_liger_kernel"], "--use_liger_kernel runs Triton kernels, which need a CUDA GPU; drop it"),
     ]
     run = ["--dataset", str(tmp_path / "notes.txt"), "--output_dir", str(tmp_path / "run")]
     loaded = one_line_refusals([(environment, [*run, *args], words) for environment, args, words in cases])
