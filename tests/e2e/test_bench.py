@@ -1,4 +1,4 @@
-"""scripts/bench.py's smallest quick case, so the benchmark cannot rot. (The
+"""scripts/bench.py's smallest quick case and gpu_bench.sh's smoke run, so the benchmarks cannot rot. (The
 figures themselves come from full runs of the script, not from tests.)"""
 
 from __future__ import annotations
@@ -37,3 +37,26 @@ def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
     # Torch's own accounting of a step's transient memory: more than the fp32
     # gradients alone (activations come on top), less than the whole resident set.
     assert 4 * result["total_params"] < result["profile_peak_step_allocation_bytes"] < result["peak_memory_bytes_per_rank"][0]
+
+
+def test_gpu_bench_smoke_runs_every_code_path_a_cpu_can(tmp_path, env):
+    """`bash scripts/gpu_bench.sh --smoke`: the GPU benchmark's driver, our
+    dense-mask runs (full and LoRA) and TRL's SFTTrainer on a tiny model, so
+    the script cannot rot between the sessions that have a GPU; the cases a
+    CPU cannot run are rows that say why."""
+    proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--smoke", "--output_dir", str(tmp_path)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    results = {r["case"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    ran = [results["full, dense mask (sdpa)"], results["LoRA r=16, dense mask (sdpa)"],
+           results["TRL SFTTrainer, padding_free"]]
+    for result in ran:
+        assert "failed" not in result, result
+        assert result["tokens_per_sec"] > 0 and result["peak_memory_bytes"] > 0
+    # The same model and data, the loss on every token: the first steps' losses agree (near ln of the vocabulary).
+    losses = [result["loss"] for result in ran]
+    assert max(losses) - min(losses) < 0.1 * min(losses), losses
+    for case in ("full, flex attention", "full, varlen (flash-attention)", "full, flex + Liger", "QLoRA r=16, flex attention"):
+        assert results[case]["failed"] == "skipped: needs a CUDA GPU"
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("\n| tiny Llama | 128 |") == len(results) == 8

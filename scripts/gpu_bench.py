@@ -1,0 +1,206 @@
+"""Packed SFT on one GPU: our attention paths (the dense mask, flex attention,
+flash-attention's varlen), Liger's kernels, LoRA and QLoRA, against TRL's
+SFTTrainer with `padding_free`, on models of real shapes built from a seed.
+Run through scripts/gpu_bench.sh (its header lists what the device needs).
+
+Every case trains the same chat data (the built-in stdlib questions, packed
+best-fit into blocks of T tokens), one block per step, bf16, for the same
+steps; each reports tokens/s, MFU against the GPU's measured bf16 matmul peak,
+peak GPU memory and its last loss (the same data, so the losses must agree).
+A case the device cannot run (no flash-attn, no Liger, no TRL) is a row that
+says why. The table goes to outputs/gpu-bench/table.md.
+
+    python scripts/gpu_bench.py            # the full run (GPU)
+    python scripts/gpu_bench.py --smoke    # the same code paths on CPU, a tiny model, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# The two shapes, as their configs on the Hub give them (no weights are fetched: built from a seed).
+SHAPES = {
+    "Llama-3.2-1B shape": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                         vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0)),
+    "Qwen2.5-0.5B shape": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                         tie_word_embeddings=True, rope_theta=1000000.0)),
+}
+SMOKE_SHAPE = {"tiny Llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=1024))}
+
+
+def chat_tokenizer(texts: list[str], out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, show_progress=False,
+                                                       special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def save_model(family: str, shape: dict, data: Path, out: Path, positions: int) -> None:
+    """A model of `shape` from seed 0 with a chat tokenizer trained on the data (its
+    vocabulary is smaller than the shape's: the embedding keeps the shape's rows)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    texts = [m["content"] for line in data.read_text().splitlines() for m in json.loads(line)["messages"]]
+    tokenizer = chat_tokenizer(texts, out)
+    config = AutoConfig.for_model(family, **shape, max_position_embeddings=positions, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+
+
+def our_case(name: str, options: list[str], model: Path, data: Path, block: int, steps: int, out: Path,
+             mixed_precision: str) -> dict:
+    run_dir = out / name.replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml"),
+           "--num_processes", "1", "--mixed_precision", mixed_precision, "-m", "finetune", "train",
+           "--model", str(model), "--dataset", str(data), "--data_format", "chat", "--block_size", str(block),
+           "--per_device_batch_size", "1", "--max_steps", str(steps), "--learning_rate", "1e-4",
+           "--train_on_prompt", "true",  # TRL's loss on conversations: every token
+           "--max_eval_batches", "1", "--sample_prompt", "", "--checkpoint_at_end", "false", "--log_format", "plain",
+           "--overwrite", "--output_dir", str(run_dir), *options]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        error = next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed")
+        return {"case": name, "failed": error.strip()[:160]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "loss" in r][2:] or [r for r in rows if "loss" in r]  # after 2 warm-up steps
+    step = statistics.median(r["step_time_s"] for r in timed)
+    return {"case": name, "step_time_s": step, "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "peak_memory_bytes": summary["peak_memory_bytes_per_rank"][0], "loss": timed[-1]["loss"],
+            "params": summary["total_params"], "layout": f"{summary['distributed_type']}, {summary.get('peft', 'none')}"}
+
+
+def trl_case(name: str, model: Path, data: Path, block: int, steps: int, out: Path, mixed_precision: str) -> dict:
+    if importlib.util.find_spec("trl") is None:
+        return {"case": name, "failed": "TRL is not installed (pip install trl)"}
+    result = out / "trl.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_trl_sft.py"), str(model), str(data), str(out / "trl"),
+           str(block), str(steps), mixed_precision, str(result)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        error = next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed")
+        return {"case": name, "failed": error.strip()[:160]}
+    return {"case": name, **json.loads(result.read_text())}
+
+
+def matmul_peak(on_gpu: bool) -> float:
+    import torch
+
+    n, device = (8192, "cuda") if on_gpu else (1024, "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    if on_gpu:
+        torch.cuda.synchronize()
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 1.0 or reps == 0:
+        a @ b
+        if on_gpu:
+            torch.cuda.synchronize()
+        reps += 1
+    return 2 * n ** 3 * reps / elapsed
+
+
+def cases(on_gpu: bool) -> list[tuple[str, list[str], str]]:
+    """(name, options, why it cannot run here or "")."""
+    gpu = "" if on_gpu else "needs a CUDA GPU"
+    flash = gpu or ("" if importlib.util.find_spec("flash_attn") else "flash-attn is not installed")
+    liger = gpu or ("" if importlib.util.find_spec("liger_kernel") else "liger-kernel is not installed")
+    return [
+        ("full, dense mask (sdpa)", ["--attn_implementation", "sdpa"], ""),
+        ("full, flex attention", ["--attn_implementation", "flex_attention"], gpu),
+        ("full, varlen (flash-attention)", ["--attn_implementation", "flash_attention_2"], flash),
+        ("full, flex + Liger", ["--attn_implementation", "flex_attention", "--use_liger_kernel"], liger),
+        ("LoRA r=16, dense mask (sdpa)", ["--peft", "lora", "--lora_r", "16", "--attn_implementation", "sdpa"], ""),
+        ("LoRA r=16, flex attention", ["--peft", "lora", "--lora_r", "16", "--attn_implementation", "flex_attention"], gpu),
+        ("QLoRA r=16, flex attention", ["--peft", "qlora", "--lora_r", "16", "--attn_implementation", "flex_attention"],
+         gpu),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="the same code paths on CPU with a tiny model")
+    parser.add_argument("--steps", type=int, default=None, help="steps per case (default: 8; smoke: 3)")
+    parser.add_argument("--output_dir", default=str(REPO / "outputs" / "gpu-bench"))
+    args = parser.parse_args()
+    import torch
+
+    from finetune.data.builtin import build_stdlib_questions
+
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if not args.smoke and not on_gpu:
+        sys.exit("error: no GPU visible to torch; run with --smoke on a CPU")
+    shapes, blocks = (SHAPES, (2048, 8192)) if not args.smoke else (SMOKE_SHAPE, (128,))
+    steps = args.steps or (3 if args.smoke else 8)
+    mixed_precision = "bf16" if on_gpu else "no"
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = build_stdlib_questions()
+    peak = matmul_peak(on_gpu)
+    device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+    lines = [f"{device}; torch {torch.__version__}; {mixed_precision}; one process under fsdp.yaml; {steps} steps of "
+             f"one packed block of the built-in chat questions; MFU against a measured matmul peak of "
+             f"{peak / 1e12:.1f} TFLOP/s; memory: the run's peak (GPU: torch's max allocated)", "",
+             "| model | tokens per block | case | step time (s) | tokens/s | MFU | peak memory (bytes) | last loss |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    results = []
+    start = time.perf_counter()
+    for shape_name, (family, shape) in shapes.items():
+        model = out / shape_name.replace(" ", "-")
+        if not (model / "config.json").is_file():
+            save_model(family, shape, data, model, positions=max(blocks))
+        for block in blocks:
+            rows = [(name, options, why) for name, options, why in cases(on_gpu)]
+            for name, options, why in rows:
+                result = ({"case": name, "failed": f"skipped: {why}"} if why else
+                          our_case(name, options, model, data, block, steps, out / f"{model.name}-{block}", mixed_precision))
+                results.append({"model": shape_name, "block": block, **result})
+                print(f"[gpu-bench] {shape_name}, {block}: {json.dumps(result)}", flush=True)
+            result = trl_case("TRL SFTTrainer, padding_free", model, data, block, steps, out / f"{model.name}-{block}",
+                              mixed_precision)
+            results.append({"model": shape_name, "block": block, **result})
+            print(f"[gpu-bench] {shape_name}, {block}: {json.dumps(result)}", flush=True)
+    for r in results:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | {r['block']} | {r['case']} | {r['failed']} | | | | |")
+            continue
+        mfu = 6 * r["params"] * r["tokens_per_sec"] / peak
+        lines.append(f"| {r['model']} | {r['block']} | {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} "
+                     f"| {mfu:.1%} | {r['peak_memory_bytes']:,} | {r['loss']:.4f} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    print(f"[gpu-bench] {time.perf_counter() - start:.0f} s; written under {out}")
+
+
+if __name__ == "__main__":
+    main()
