@@ -20,8 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, LORA_LEARNING_RATE, PEFT_METHODS,
-                             PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
+from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS,
+                             LORA_LEARNING_RATE, PEFT_METHODS, PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
                              SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
@@ -334,6 +334,14 @@ def _add_estimate_memory(sub) -> None:
                         help="compute dtype (default: the accelerate config's, else bf16)")
     memory.add_argument("--max_shard_size", type=byte_size, default=TrainConfig().max_shard_size,
                         help=f"as for train: the final model's largest file (default: {TrainConfig().max_shard_size})")
+    memory.add_argument("--packed", action="store_true",
+                        help="rows hold several examples or padding (chat, instruction or prompt-completion data; "
+                             "always so for dpo and simpo pairs): sdpa and eager attention then hold a "
+                             "[batch, 1, block, block] mask (default: False)")
+    memory.add_argument("--attn_implementation", choices=[a for a in ATTN_IMPLEMENTATIONS if a != "auto"],
+                        default="flex_attention",
+                        help="as for train, on the GPU planned for: flex_attention and flash_attention_2 keep "
+                             "packed rows apart without a mask (default: 'flex_attention', what auto takes on a GPU)")
     memory.add_argument("--streaming", action="store_true",
                         help="as for train: say what a streamed run's data holds in host RAM (default: False)")
     memory.add_argument("--dataloader_num_workers", type=non_negative_int, default=0,
@@ -568,7 +576,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                             args.tp_size or launch.tp)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
                          args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method != "sft",
-                         reference_copy=reference_copy, meshes=meshes)
+                         reference_copy=reference_copy, meshes=meshes, packed_rows=args.packed,
+                         attn_implementation=args.attn_implementation)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
     # final save, which gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,

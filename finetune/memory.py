@@ -250,10 +250,21 @@ def planned_meshes(shape: ModelShape, num_processes: int, num_machines: int, dp_
     return tuple(hsdp + tensor_parallel)
 
 
+def mask_bytes(batch: int, block_size: int, attn_implementation: str, compute_bytes: int) -> int:
+    """The [batch, 1, block, block] mask that keeps the examples of packed or
+    padded rows apart under sdpa and eager attention: a boolean one, and the
+    additive copy the kernel makes of it (eager: ours, in fp32; SDPA's fused
+    kernels: one in the compute dtype). flex attention and flash-attention take
+    the position ids instead: nothing quadratic."""
+    per_element = {"sdpa": 1 + compute_bytes, "eager": 1 + 4}.get(attn_implementation, 0)
+    return batch * block_size * block_size * per_element
+
+
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
              ram_efficient_loading: bool = True, pairs: bool = False,
-             reference_copy: bool = False, meshes: tuple[tuple[int, int, int], ...] = ()) -> list[Estimate]:
+             reference_copy: bool = False, meshes: tuple[tuple[int, int, int], ...] = (),
+             packed_rows: bool = False, attn_implementation: str = "flex_attention") -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     under adapters stays so; trainable parameters are fp32 under mixed precision
     (Accelerate upcasts them) and adapters always are (the adapter library upcasts them).
@@ -265,20 +276,22 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
         batch, loss_chunk_size = 2 * batch, 0
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
+    mask = mask_bytes(batch, block_size, attn_implementation, compute) if packed_rows or pairs else 0
     inputs = PlanInputs(
         shape=shape, num_processes=n, compute_bytes=compute, mixed_precision=mixed_precision, weight_bytes=weight_bytes,
         trained_bytes=4 if t < p or mixed_precision != "no" else weight_bytes,
-        activations=activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size),
-        checkpointed_activations=activation_bytes(shape, batch, block_size, compute, checkpointing=True,
-                                                  loss_chunk_size=loss_chunk_size),
+        activations=mask + activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size),
+        checkpointed_activations=mask + activation_bytes(shape, batch, block_size, compute, checkpointing=True,
+                                                         loss_chunk_size=loss_chunk_size),
         # Gathered copies: two units (the current one and the prefetched next one).
         gather_units=min(2 * shape.largest_unit, p) * compute if n > 1 else 0,
         frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n),
         # DPO's frozen reference, in the weights' dtype: each backend lays it out as its parameters
         reference_whole=weight_bytes * p if reference_copy else 0,
         reference_shard=weight_bytes * -(-p // n) if reference_copy else 0, meshes=meshes,
-        split_activations={tp: tuple(activation_bytes(shape, batch, block_size, compute, checkpointing=checkpointing,
-                                                      loss_chunk_size=loss_chunk_size, tensor_parallel=tp)
+        split_activations={tp: tuple(mask + activation_bytes(shape, batch, block_size, compute,
+                                                             checkpointing=checkpointing,
+                                                             loss_chunk_size=loss_chunk_size, tensor_parallel=tp)
                                      for checkpointing in (False, True))
                            for tp in {mesh[2] for mesh in meshes}})
     usable = [b for b in BACKENDS if not (reference_copy and b.frozen_model_refusal)]

@@ -73,3 +73,22 @@ def test_a_damaged_accelerate_config_is_one_line(settings, words, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
     assert proc.stdout == ""
+
+
+def test_packed_rows_cost_a_quadratic_mask_only_under_sdpa_and_eager():
+    """Rows of several examples under sdpa hold a [batch, 1, block, block] mask
+    (and the kernel's additive copy); flex attention, the GPU default, none."""
+    def activations(*options: str) -> int:
+        proc = run_in_process("estimate-memory", "--model", "gpt2-small", "--num_processes", "1", "--block_size",
+                              "1024", "--per_device_batch_size", "2", *options)
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        row = next(line for line in out.splitlines() if line.startswith("| FSDP full shard |"))
+        return int(row.split("|")[6].replace(",", ""))  # the activations column
+
+    plain = activations()
+    assert activations("--packed") == plain  # flex attention: the position ids, nothing quadratic
+    assert activations("--packed", "--attn_implementation", "flash_attention_2") == plain
+    assert activations("--attn_implementation", "sdpa") == plain  # plain text blocks need no mask
+    assert activations("--packed", "--attn_implementation", "sdpa") - plain == 2 * 1024 * 1024 * (1 + 2)  # bool + bf16
+    assert activations("--packed", "--attn_implementation", "eager") - plain == 2 * 1024 * 1024 * (1 + 4)
