@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS,
-                             LORA_LEARNING_RATE, PEFT_METHODS, PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS, TRAINING_METHODS,
-                             SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
+                             LORA_LEARNING_RATE, PEFT_METHODS, PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+                             TRAINING_METHODS, SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.tasks import REGISTRY
@@ -413,14 +413,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _dry_run(cfg: TrainConfig, default_run_dir: bool) -> int:
     """What `train` checks before the libraries load, and nothing after: a
     command's options, paths and launch checked in a second, on every rank."""
-    from finetune.launch_request import fsdp_requested, fsdp_version, launched_world_size
+    from finetune.launch_request import deepspeed_requested, fsdp_requested, fsdp_version, launched_world_size
     from finetune.preflight import check_before_loading
 
     check_before_loading(cfg)
     if is_rank_zero():
         processes = launched_world_size()
-        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        backend = (f"FSDP{fsdp_version()}" if fsdp_requested() else "DeepSpeed" if deepspeed
+        backend = (f"FSDP{fsdp_version()}" if fsdp_requested() else "DeepSpeed" if deepspeed_requested()
                    else "DDP" if processes > 1 else "no sharding")
         run_dir = "a new run dir under outputs/" if default_run_dir else f"run dir {cfg.output_dir}"
         data = ", ".join(cfg.sources)

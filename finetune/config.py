@@ -40,6 +40,7 @@ TRAINING_METHODS = ("sft", "dpo", "simpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
 # transformers' names; auto picks the fastest the device and model have (finetune/models/attention.py)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
+ATTN_WITHOUT_MASK = ("flex_attention", "flash_attention_2")  # packed examples kept apart by position ids alone
 # Preference tuning moves a model much less than SFT: TRL's DPOConfig default
 # for full fine-tuning, and the rate of its LoRA example.
 PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}

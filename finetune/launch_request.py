@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from finetune.config import ATTN_WITHOUT_MASK
 from finetune.errors import UsageError
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"  # what `accelerate launch` sets from the config's parallelism_config keys
@@ -24,6 +25,11 @@ def launched_world_size() -> int:
 def fsdp_requested() -> bool:
     """True when the accelerate config (via `accelerate launch`) asks for FSDP."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def deepspeed_requested() -> bool:
+    """True when the accelerate config asks for DeepSpeed."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def fsdp_version() -> int:
@@ -67,7 +73,7 @@ def check_attention_trains_here(attn_implementation: str) -> None:
     CUDA code."""
     import torch
 
-    if attn_implementation in ("flex_attention", "flash_attention_2") and not torch.cuda.is_available():
+    if attn_implementation in ATTN_WITHOUT_MASK and not torch.cuda.is_available():
         raise UsageError(f"--attn_implementation {attn_implementation} trains on CUDA GPUs only (torch "
                          f"{torch.__version__.split('+')[0]} has no {attn_implementation} backward on this machine); "
                          "pass --attn_implementation sdpa, which keeps packed examples apart with a mask")

@@ -73,6 +73,10 @@ def save_model(family: str, shape: dict, data: Path, out: Path, positions: int) 
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
 
 
+def last_error(proc: subprocess.CompletedProcess) -> str:
+    return next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed").strip()[:160]
+
+
 def our_case(name: str, options: list[str], model: Path, data: Path, block: int, steps: int, out: Path,
              mixed_precision: str) -> dict:
     run_dir = out / name.replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
@@ -86,8 +90,7 @@ def our_case(name: str, options: list[str], model: Path, data: Path, block: int,
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
-        error = next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed")
-        return {"case": name, "failed": error.strip()[:160]}
+        return {"case": name, "failed": last_error(proc)}
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "loss" in r][2:] or [r for r in rows if "loss" in r]  # after 2 warm-up steps
@@ -105,27 +108,8 @@ def trl_case(name: str, model: Path, data: Path, block: int, steps: int, out: Pa
            str(block), str(steps), mixed_precision, str(result)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
-        error = next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed")
-        return {"case": name, "failed": error.strip()[:160]}
+        return {"case": name, "failed": last_error(proc)}
     return {"case": name, **json.loads(result.read_text())}
-
-
-def matmul_peak(on_gpu: bool) -> float:
-    import torch
-
-    n, device = (8192, "cuda") if on_gpu else (1024, "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    a @ b
-    if on_gpu:
-        torch.cuda.synchronize()
-    reps, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < 1.0 or reps == 0:
-        a @ b
-        if on_gpu:
-            torch.cuda.synchronize()
-        reps += 1
-    return 2 * n ** 3 * reps / elapsed
 
 
 def cases(on_gpu: bool) -> list[tuple[str, list[str], str]]:
@@ -153,6 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from bench import matmul_peak_flops  # scripts/ is this script's dir, first on sys.path
     from finetune.data.builtin import build_stdlib_questions
 
     on_gpu = torch.cuda.is_available() and not args.smoke
@@ -164,7 +149,7 @@ def main() -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = build_stdlib_questions()
-    peak = matmul_peak(on_gpu)
+    peak = matmul_peak_flops(torch.get_num_threads(), mixed_precision if on_gpu else "no", seconds=1.0)
     device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
     lines = [f"{device}; torch {torch.__version__}; {mixed_precision}; one process under fsdp.yaml; {steps} steps of "
              f"one packed block of the built-in chat questions; MFU against a measured matmul peak of "
@@ -178,8 +163,7 @@ def main() -> None:
         if not (model / "config.json").is_file():
             save_model(family, shape, data, model, positions=max(blocks))
         for block in blocks:
-            rows = [(name, options, why) for name, options, why in cases(on_gpu)]
-            for name, options, why in rows:
+            for name, options, why in cases(on_gpu):
                 result = ({"case": name, "failed": f"skipped: {why}"} if why else
                           our_case(name, options, model, data, block, steps, out / f"{model.name}-{block}", mixed_precision))
                 results.append({"model": shape_name, "block": block, **result})

@@ -484,8 +484,11 @@ def stand_in(placeholder: str, work: Path) -> None:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        save_chat_model(path)
+    else:  # one small chat model, made once per dir and copied to each model placeholder
+        made = work / ".stand-in-model"
+        if not made.is_dir():
+            save_chat_model(made)
+        shutil.copytree(made, path)
 
 
 def placeholders(command: str) -> list[str]:

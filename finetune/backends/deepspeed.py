@@ -29,7 +29,7 @@ from finetune.backends.base import Backend, PlanInputs, ShardReport, check_parti
 from finetune.backends.mesh import Mesh
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate
-from finetune.launch_request import has_accelerator_device, launched_world_size
+from finetune.launch_request import deepspeed_requested, has_accelerator_device, launched_world_size
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, tally
 from finetune.verify import check_pickled_file
@@ -109,7 +109,7 @@ class DeepSpeed(Backend):
 
     @classmethod
     def requested(cls) -> bool:
-        return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        return deepspeed_requested()
 
     @classmethod
     def wrote(cls, checkpoint_dir: Path) -> bool:

@@ -14,10 +14,8 @@ import importlib.util
 
 import torch
 
+from finetune.config import ATTN_WITHOUT_MASK as WITHOUT_MASK
 from finetune.errors import UsageError
-
-# Kernels that keep packed examples apart by position ids, without a mask.
-WITHOUT_MASK = ("flex_attention", "flash_attention_2")
 
 
 def candidates(requested: str, rows_hold_examples: bool) -> tuple[str, ...]:

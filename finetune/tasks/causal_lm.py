@@ -45,12 +45,12 @@ def attention_inputs(batch: dict, attn_implementation: str) -> dict:
     if "position_ids" not in batch:
         return {}
     positions = batch["position_ids"]
+    if attn_implementation in attention.WITHOUT_MASK:  # transformers keeps the examples apart by their position ids
+        return {"position_ids": positions}
     example = (positions == 0).cumsum(dim=-1)
     width = positions.size(1)
     causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
     allowed = ((example[:, :, None] == example[:, None, :]) & causal)[:, None]
-    if attn_implementation in attention.WITHOUT_MASK:  # transformers keeps the examples apart by their position ids
-        return {"position_ids": positions}
     if attn_implementation == "eager":  # eager attention adds the mask to the scores
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device)
         allowed = mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
