@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 
 from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS,
-                             LORA_LEARNING_RATE, PEFT_METHODS, PREFERENCE_LEARNING_RATES, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
-                             TRAINING_METHODS, SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
+                             LORA_LEARNING_RATE, PEFT_METHODS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+                             SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
+from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
 from finetune.tasks import REGISTRY
 
 
@@ -43,6 +44,10 @@ OPTION_GROUPS = {
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
                           "precompute_reference"),
+    "online RL (--method grpo)": ("reward_funcs", "reward_weights", "reward_pattern", "num_generations",
+                                  "max_completion_length", "temperature", "top_p", "loss_type", "epsilon",
+                                  "epsilon_high", "num_iterations", "scale_rewards", "mask_truncated_completions",
+                                  "beta", "log_completions_every"),
     "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
                                 "checkpoint_at_end",
                                 "resume_from_checkpoint", "allow_unverified_checkpoint", "max_shard_size"),
@@ -67,8 +72,9 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
         fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
                        if f.name in FINE_TUNING_DEFAULTS else "")
         if f.name == "learning_rate":
-            fine_tuning += (f", with --peft lora: {LORA_LEARNING_RATE!r}; --method dpo/simpo: "
-                            f"{PREFERENCE_LEARNING_RATES['full']!r}, with LoRA {PREFERENCE_LEARNING_RATES['lora']!r}")
+            fine_tuning += f", with --peft lora: {LORA_LEARNING_RATE!r}" + "".join(
+                f"; --method {name}: {entry.learning_rates['full']!r}, with LoRA {entry.learning_rates['lora']!r}"
+                for name, entry in OBJECTIVE_REGISTRY.items() if entry.learning_rates)
         by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
                           if f.name in entry.defaults)
         help_text = f"{f.metadata['help']} (default: {default!r}{fine_tuning}{by_task})".replace("%", "%%")
@@ -322,7 +328,7 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--peft", choices=PEFT_METHODS, default="none",
                         help="lora: a frozen base (weights only) and trainable adapters; qlora: the same with the "
                              "adapted base weights in 4 bits (default: 'none')")
-    memory.add_argument("--method", choices=TRAINING_METHODS, default="sft",
+    memory.add_argument("--method", choices=OBJECTIVES, default="sft",
                         help="as for train: dpo and simpo run each pair's two sequences through one forward (twice "
                              "the activations, full logits); dpo without LoRA adds a frozen reference, laid out as "
                              "the parameters are (default: 'sft')")

@@ -21,6 +21,7 @@ import yaml
 
 from finetune.data.fingerprint import INPUT_OPTIONS, absolute
 from finetune.errors import UsageError, not_a_file
+from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY, objective_of_option
 from finetune.tasks import REGISTRY
 
 TASKS = tuple(REGISTRY)
@@ -29,28 +30,25 @@ OPTIMIZERS = ("adamw", "adam")
 # transformers.get_scheduler's names, and the lectures' per-epoch StepLR.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup", "polynomial", "step")
 REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
-DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion", "preference")
+DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion", "preference", "prompt")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
 PEFT_METHODS = ("none", "lora", "qlora")
 MODEL_DTYPES = ("float32", "bfloat16")
 LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
-TRAINING_METHODS = ("sft", "dpo", "simpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
 # transformers' names; auto picks the fastest the device and model have (finetune/models/attention.py)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
 ATTN_WITHOUT_MASK = ("flex_attention", "flash_attention_2")  # packed examples kept apart by position ids alone
-# Preference tuning moves a model much less than SFT: TRL's DPOConfig default
-# for full fine-tuning, and the rate of its LoRA example.
-PREFERENCE_LEARNING_RATES = {"full": 1e-6, "lora": 5e-6}
-# Options that only one method reads, refused on the command line for the others (as LoRA's are).
-METHOD_OPTIONS = {"dpo_beta": ("dpo", "simpo"), "max_prompt_length": ("dpo", "simpo"), "dpo_loss": ("dpo",),
-                  "reference_model": ("dpo",), "precompute_reference": ("dpo",), "simpo_gamma": ("simpo",)}
+# Options that only some objectives read, refused on the command line for the others (as LoRA's are).
+METHOD_OPTIONS = {name: objective_of_option(name) for entry in OBJECTIVE_REGISTRY.values() for name in entry.options}
+FORMATS_OF_AN_OBJECTIVE = ("preference", "prompt")  # read by one objective only
+FORMAT_WORDS = {"preference": "preference pairs (chosen/rejected)", "prompt": "prompts alone (a prompt column)"}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 MIXTURE_STOPS = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets' names
 MIN_SHARE_TO_EXHAUST = 1e-6  # under all_exhausted, a rarer source would take ~10^6 draws per example of its own
-SEVERAL_VALUES = {"dataset": str, "dataset_weights": float}  # options that take a list, and its element type
+SEVERAL_VALUES = {"dataset": str, "dataset_weights": float, "reward_funcs": str, "reward_weights": float}  # options that take a list, and its element type
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
 
@@ -176,8 +174,9 @@ class TrainConfig:
                      "peft) or qlora (LoRA on a 4-bit base; GPUs only)", choices=PEFT_METHODS)
     method: str = _opt("sft", "what the loss learns (causal-lm): sft (the text's next tokens, or the answers of "
                        "chat/instruction data), dpo (preference pairs against a frozen reference: the starting model, "
-                       "or the base with the adapters off under LoRA) or simpo (preference pairs, no reference: "
-                       "length-normalised log-probs and a target margin)", choices=TRAINING_METHODS)
+                       "or the base with the adapters off under LoRA), simpo (preference pairs, no reference: "
+                       "length-normalised log-probs and a target margin) or grpo (online RL: the model's own samples "
+                       "of each prompt, scored by --reward_funcs)", choices=OBJECTIVES)
     dpo_beta: float = _opt(0.1, "dpo: how far the policy may move from the reference; simpo: the reward scale (the "
                            "SimPO paper uses 2 to 2.5)")
     dpo_loss: str = _opt("sigmoid", "dpo: sigmoid (the DPO paper), ipo (squared, on per-token log-probs) or hinge "
@@ -190,6 +189,37 @@ class TrainConfig:
     precompute_reference: bool = _opt(False, "dpo: the reference's log-probs of every pair computed in one pass before "
                                       "training and cached with the data (reused by a resume and by later runs on "
                                       "the same pairs and reference); no reference is held while training")
+    # grpo (TRL's GRPOConfig names and defaults, but for the completion length: see docs/grpo.md)
+    reward_funcs: list[str] = _opt([], "grpo: the reward functions, each FILE.py:NAME or module:NAME (your code, "
+                                   "imported because this command line names it), or a built-in: exact_match (the "
+                                   "completion is the row's answer column), format (it matches --reward_pattern), "
+                                   "length_penalty", nargs="+")
+    reward_weights: list[float] = _opt([], "grpo: each reward function's weight in the summed reward (empty: 1 each)",
+                                       nargs="+")
+    reward_pattern: str = _opt(r"^\S+$", "grpo: the regular expression the built-in format reward matches the whole "
+                               "completion (stripped) against")
+    num_generations: int = _opt(8, "grpo: completions sampled per prompt (a group); --per_device_batch_size counts "
+                                "completions and must be a multiple of it")
+    max_completion_length: int = _opt(64, "grpo: most tokens sampled per completion (TRL's default is 512, too long "
+                                      "for a CPU); the prompt keeps what --block_size leaves")
+    temperature: float = _opt(1.0, "grpo: sampling temperature")
+    top_p: float = _opt(1.0, "grpo: nucleus sampling's probability mass (1 = off)")
+    loss_type: str = _opt("dapo", "grpo: how the per-token losses are averaged: dapo (over every completion token of "
+                          "the global batch; TRL's default), grpo (per completion, then over completions), dr_grpo "
+                          "(over completions x --max_completion_length), bnpo (over each micro-batch's tokens)",
+                          choices=("grpo", "dapo", "dr_grpo", "bnpo"))
+    epsilon: float = _opt(0.2, "grpo: the clipping range of the probability ratio (its lower side)")
+    epsilon_high: float = _opt(0.0, "grpo: the upper clipping range (0 = --epsilon; DAPO uses 0.28)")
+    num_iterations: int = _opt(1, "grpo: optimizer steps on each batch of samples (above 1 the ratio to the "
+                                  "sampling policy moves and clipping acts)")
+    scale_rewards: str = _opt("group", "grpo: divide the advantages by the std of the group's rewards, of the batch's, "
+                              "or none (Dr. GRPO)", choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = _opt(False, "grpo: completions cut at --max_completion_length take no part in "
+                                            "the loss")
+    beta: float = _opt(0.0, "grpo: the KL coefficient against the reference (0 = none, TRL's default; the reference "
+                       "is DPO's: the starting model, or the base with the adapters off under LoRA)")
+    log_completions_every: int = _opt(10, "grpo: write a sample of prompts, completions and rewards to "
+                                      "RUN_DIR/completions.jsonl every N steps (0 = never)")
     lora_r: int = _opt(8, "LoRA rank")
     lora_alpha: float = _opt(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r")
     lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")
@@ -298,7 +328,7 @@ class TrainConfig:
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                         "dataloader_num_workers",
                         "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
-                        "loss_chunk_size", "max_prompt_length"]
+                        "loss_chunk_size", "max_prompt_length", "log_completions_every"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name} must be > 0, got {getattr(self, name)}; pass a positive value")
@@ -324,19 +354,17 @@ class TrainConfig:
                              "float32 (mixed precision comes from the accelerate config)")
         if self.method != "sft" and self.task != "causal-lm":
             raise UsageError(f"--method {self.method} is for --task causal-lm; train {self.task} models with --method sft")
-        if not (self.dpo_beta > 0 and math.isfinite(self.dpo_beta)):
-            raise UsageError(f"--dpo_beta must be a positive number, got {self.dpo_beta}; pass e.g. 0.1")
-        if not math.isfinite(self.simpo_gamma):
-            raise UsageError(f"--simpo_gamma must be a number, got {self.simpo_gamma}; pass e.g. 0.5")
-        if self.method == "sft" and self.data_format == "preference":
-            raise UsageError("--data_format preference holds chosen/rejected pairs, which --method sft does not "
-                             "train on; pass --method dpo (or simpo)")
-        if self.method != "sft" and self.data_format not in ("auto", "preference"):
-            raise UsageError(f"--method {self.method} trains on preference pairs (chosen/rejected), not "
-                             f"--data_format {self.data_format}; pass --data_format preference or auto")
-        if self.reference_model and self.peft != "none":
-            raise UsageError(f"with --peft {self.peft} the reference is the base with the adapters off, so there is "
-                             "no --reference_model to load; drop it, or train every parameter (--peft none)")
+        objective = OBJECTIVE_REGISTRY.get(self.method)
+        if objective is not None:  # an unknown name is refused with the other choices below
+            objective.check(self)
+            wanted = objective.data_format
+            if wanted is None and self.data_format in FORMATS_OF_AN_OBJECTIVE:
+                owner = next(e.name for e in OBJECTIVE_REGISTRY.values() if e.data_format == self.data_format)
+                raise UsageError(f"--data_format {self.data_format} is what --method {owner} trains on, not --method "
+                                 f"{self.method}; pass --method {owner}, or another --data_format")
+            if wanted is not None and self.data_format not in ("auto", wanted):
+                raise UsageError(f"--method {self.method} trains on {FORMAT_WORDS[wanted]}, not --data_format "
+                                 f"{self.data_format}; pass --data_format {wanted} or auto")
         if self.peft != "none" and self.task != "causal-lm":
             raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft none")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -360,7 +388,7 @@ class TrainConfig:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
         for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
                               ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
-                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", TRAINING_METHODS),
+                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", OBJECTIVES),
                               ("dpo_loss", DPO_LOSSES), ("mixture_stop", MIXTURE_STOPS),
                               ("model_dtype", MODEL_DTYPES), ("attn_implementation", ATTN_IMPLEMENTATIONS)):
             if getattr(self, name) not in allowed:
@@ -520,6 +548,11 @@ def defaults_note(cfg: "TrainConfig") -> str:
     return f"fine-tuning defaults ({FINE_TUNING_DEFAULTS}), because --model {cfg.model} is a pretrained model"
 
 
+def objective_rates(method: str) -> dict[str, float]:
+    """The fine-tuning learning rates of an objective that differ from SFT's."""
+    return OBJECTIVE_REGISTRY[method].learning_rates if method in OBJECTIVE_REGISTRY else {}
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """YAML file (optional) < command-line overrides. Unknown keys are errors;
     Trainer/run_clm names are read as ours."""
@@ -571,7 +604,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         adapters = "lora" if values.get("peft", "none") != "none" else "full"
         fine_tuning = {} if from_scratch(model) else {
             **FINE_TUNING_DEFAULTS, **({"learning_rate": LORA_LEARNING_RATE} if adapters == "lora" else {}),
-            **({"learning_rate": PREFERENCE_LEARNING_RATES[adapters]} if method != "sft" else {})}
+            **({"learning_rate": rates[adapters]} if (rates := objective_rates(method)) else {})}
         values = {**entry.defaults, **fine_tuning, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()

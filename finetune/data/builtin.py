@@ -142,3 +142,32 @@ def build_stdlib_preferences() -> Path:
     """The built-in questions as preference pairs: {"prompt": [user],
     "chosen": [the docstring's answer], "rejected": [another function's]}."""
     return _write_once("stdlib-preferences", _preferences)
+
+
+def _module_questions() -> Iterator[dict]:
+    """Names defined at the top of exactly one public stdlib module, asked for
+    that module: an answer a reward can check by string match."""
+    homes: dict[str, set[str]] = {}
+    for path, source in _sources():
+        module = _module_name(path)
+        if module is None:
+            continue
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
+                homes.setdefault(node.name, set()).add(module)
+    for name, modules in sorted(homes.items()):
+        if len(modules) == 1:
+            module = next(iter(modules))
+            yield {"prompt": [{"role": "user", "content": f"Which Python standard library module defines `{name}`? "
+                                                          "Answer with the module's name only."}],
+                   "answer": module}
+
+
+def build_stdlib_module_questions() -> Path:
+    """Prompts for online RL (--method grpo): {"prompt": [user], "answer":
+    module}, "Which module defines `X`?" for every name only one module defines."""
+    return _write_once("stdlib-module-questions", _module_questions)

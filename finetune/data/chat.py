@@ -38,7 +38,7 @@ from finetune.errors import UsageError, not_a_file
 IGNORE = -100
 # The columns that name each format, in the order detection tries them.
 FORMAT_COLUMNS = {"preference": ("chosen", "rejected"), "chat": ("messages",), "instruction": ("instruction", "output"),
-                  "prompt_completion": ("prompt", "completion")}
+                  "prompt_completion": ("prompt", "completion"), "prompt": ("prompt",)}
 SFT_FORMATS = ("chat", "instruction", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 # Each example's 1-based number in its source split, kept through the held-out

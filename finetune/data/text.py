@@ -16,7 +16,8 @@ from datasets.distributed import split_dataset_by_node
 from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.builtin import build_stdlib_corpus, build_stdlib_preferences, build_stdlib_questions
+from finetune.data.builtin import (build_stdlib_corpus, build_stdlib_module_questions, build_stdlib_preferences,
+                                   build_stdlib_questions)
 from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
 from finetune.data.locations import TEXT_FILES
 from finetune.data.mixture import Source, is_held_out
@@ -37,6 +38,10 @@ def _builtin_preference() -> DatasetDict:
     return load_dataset("json", data_files=str(build_stdlib_preferences()))
 
 
+def _builtin_prompts() -> DatasetDict:
+    return load_dataset("json", data_files=str(build_stdlib_module_questions()))
+
+
 def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float, seed: int, *,
                   config: str = "", split: str = "", eval_split: str = "",
                   sample_by: str = "paragraph") -> tuple[DatasetDict, str]:
@@ -44,7 +49,8 @@ def load_raw_data(dataset: str, data_format: str, text_column: str, validation_s
     embedded default is plain text, or questions and answers for SFT formats.
     `config`, `split` and `eval_split`: see sources.py; `sample_by`: what one
     document of a .txt file is (see `_txt_options`)."""
-    builtin = {**dict.fromkeys(SFT_FORMATS, _builtin_chat), "preference": _builtin_preference}.get(data_format,
+    builtin = {**dict.fromkeys(SFT_FORMATS, _builtin_chat), "preference": _builtin_preference,
+               "prompt": _builtin_prompts}.get(data_format,
                                                                                                  _builtin_text)
     raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config, _txt_options(sample_by))
     data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset)

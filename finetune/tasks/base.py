@@ -19,6 +19,7 @@ from finetune import models
 from finetune.backends.base import Backend
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
+from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.peft import method_for
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 
@@ -140,8 +141,6 @@ class Task:
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    if cfg.method != "sft":  # preference pairs: the causal-LM task with another loss
-        from finetune.tasks.preference_lm import PreferenceLM
-
-        return PreferenceLM(cfg)
-    return REGISTRY[cfg.task].load_class()(cfg)
+    """The task, trained with its own loss or with the objective's (finetune/objectives)."""
+    objective = OBJECTIVES[cfg.method]
+    return (objective.load_class() if objective.task_class else REGISTRY[cfg.task].load_class())(cfg)

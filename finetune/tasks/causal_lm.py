@@ -183,6 +183,9 @@ class CausalLM(Task):
         if data_format == "preference" and cfg.method == "sft":
             raise UsageError(f"--dataset {cfg.dataset} holds preference pairs (chosen/rejected), which --method sft "
                              "does not train on; pass --method dpo (or simpo)")
+        if data_format == "prompt" and cfg.method == "sft":
+            raise UsageError(f"--dataset {cfg.dataset} holds prompts without answers, which --method sft has nothing "
+                             "to learn from; pass --method grpo with --reward_funcs, or add completion/answer text")
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:

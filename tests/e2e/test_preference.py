@@ -22,7 +22,7 @@ from e2e.test_errors import snapshot
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder, split_pair
 from finetune.errors import UsageError
-from finetune.methods.preference import DPOLoss, PairLogps, SimPOLoss
+from finetune.objectives.preference_loss import DPOLoss, PairLogps, SimPOLoss
 from sft_models import save_chat_model, write_jsonl
 
 GOOD = "reads returns sorted writes changes".split()   # the preferred answers use these words

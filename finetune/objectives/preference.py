@@ -1,11 +1,9 @@
 """Preference tuning of a causal LM (--method dpo or simpo): the causal-LM
 task's model and tokenizer, preference pairs for data (data/preference.py),
-and a loss on each pair's completion log-probs (methods/preference.py).
+and a loss on each pair's completion log-probs (preference_loss.py).
 
 Chosen and rejected go through one forward, stacked. The reference DPO
-compares with is the base with the adapters off when adapters train (no second copy),
-or a frozen model laid out as the trained one is (sharded under FSDP2), with
-no gradients and no optimizer state. Dropout is off, as in TRL: at step 1 the
+compares with is reference.py's. Dropout is off, as in TRL: at step 1 the
 policy and the reference then agree, and the DPO loss is ln 2.
 """
 
@@ -15,7 +13,6 @@ import gc
 import hashlib
 import json
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,30 +22,21 @@ from datasets import DatasetDict
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from finetune import models
-from finetune.backends.base import Backend, shard_report
+from finetune.backends.base import Backend
 from finetune.collectives import broadcast_from_main
 from finetune.data.builtin import cache_root
 from finetune.data.chat import load_chat_template, pad_id
 from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
-from finetune.methods.preference import METRICS, PairLogps, PairLosses, preference_loss
+from finetune.objectives.preference_loss import METRICS, PairLogps, PairLosses, preference_loss
 from finetune.report import plain_logs
+from finetune.objectives.reference import WithReference, without_dropout
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
 
 
-def without_dropout(model: torch.nn.Module) -> None:
-    """Every dropout off: the modules' and the attention's own probability."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-class PreferenceLM(CausalLM):
+class PreferenceLM(WithReference, CausalLM):
     metric_name = "eval_rewards/accuracies"
     batch_size_options = "--per_device_batch_size"
     step_metrics = METRICS
@@ -56,9 +44,6 @@ class PreferenceLM(CausalLM):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.objective = preference_loss(cfg)
-        self.reference: torch.nn.Module | None = None  # a frozen copy (full fine-tuning under DPO)
-        self.reference_params_per_rank: list[int] = []
-        self.accelerator: Accelerator | None = None
         self.splits: list = []                                  # the pair splits, numbered across (`pair`)
         self.reference_table: torch.Tensor | None = None        # [pairs, 2] precomputed reference log-probs
         self.cached_table: Path | None = None                    # where they are cached
@@ -66,18 +51,13 @@ class PreferenceLM(CausalLM):
     def targets(self, batch: dict) -> int:
         return len(batch["input_ids"]) // 2  # pairs
 
-    def frozen_reference(self) -> str | None:
-        """With every parameter trained, DPO compares with a frozen copy of
-        --reference_model or --model (under adapters: the base, adapters off)."""
-        if self.objective.needs_reference and not self.method.saves_adapters:
-            return self.cfg.reference_model or self.cfg.model
-        return None
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective.needs_reference
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         copy_needed = self.frozen_reference() is not None
-        if copy_needed and backend.frozen_model_refusal:
-            raise UsageError(f"--method {self.cfg.method} with every parameter trained needs a frozen reference "
-                             f"model: {backend.frozen_model_refusal}, or {self.method.without_a_reference_copy}")
+        self.check_reference_fits(backend)
         self.accelerator = accelerator
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)
@@ -85,30 +65,11 @@ class PreferenceLM(CausalLM):
         if self.cfg.precompute_reference:
             self.cached_table, self.reference_table = cached_reference(self, accelerator, model)
         if copy_needed and self.reference_table is None:
-            self.reference = self._reference_model(data.tokenizer, model_config(model).vocab_size)
+            self.reference = self.reference_model(data.tokenizer, model_config(model).vocab_size)
         return model, data
 
-    def _reference_model(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> PreTrainedModel:
-        """--reference_model, or the weights the run starts from (a preset's are
-        the seed's, rebuilt). Whole on every rank until `prepared` lays it out."""
-        cfg = self.cfg
-        if not cfg.reference_model:
-            reference = self.base_model(tokenizer)
-        else:
-            config = models.load_config(cfg.reference_model, cfg.trust_remote_code, "", option="--reference_model")
-            reference = models.load_pretrained(cfg.reference_model, self.entry.auto(), config, cfg.trust_remote_code,
-                                               "", dtype=getattr(torch, cfg.model_dtype), option="--reference_model")
-            if reference.config.vocab_size != vocab_size:
-                raise UsageError(f"--reference_model {cfg.reference_model} has {reference.config.vocab_size} tokens "
-                                 f"and --model {cfg.model} {vocab_size}; the reference must score the same tokens: "
-                                 "pass a model made with the policy's tokenizer")
-        without_dropout(reference)
-        return reference
-
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
-        if self.reference is not None:
-            self.reference = backend.prepare_frozen(accelerator, self.reference)
-            self.reference_params_per_rank = shard_report(self.reference, accelerator).local_params_per_rank
+        self.lay_out_reference(accelerator, backend)
         if self.cfg.precompute_reference and self.reference_table is None:
             self.reference_table = precompute_reference(self, accelerator, model)
             # Scored with forwards alone: under adapters the reference is the policy, whose root
@@ -119,14 +80,7 @@ class PreferenceLM(CausalLM):
             gc.collect()
 
     def summary_facts(self) -> dict[str, Any]:
-        """Which reference the run compared with, and its parameters on each rank while training."""
-        if not self.objective.needs_reference:
-            reference = None
-        else:
-            reference = "the base, adapters off" if self.method.saves_adapters else self.cfg.reference_model or self.cfg.model
-            if self.reference_table is not None:
-                reference = f"log-probs precomputed by {reference}, {self.cached_table}"
-        return {"reference": reference, "reference_params_per_rank": self.reference_params_per_rank or None}
+        return self.reference_facts(str(self.cached_table) if self.reference_table is not None else "")
 
     # --- data -------------------------------------------------------------------------------------
 
@@ -171,17 +125,11 @@ class PreferenceLM(CausalLM):
             known = self.reference_table[batch["pair"].cpu()].to(policy.chosen)
             reference = PairLogps(known[:, 0], known[:, 1], policy.chosen_tokens, policy.rejected_tokens)
         elif self.objective.needs_reference:
-            with torch.no_grad():
-                reference = self._reference_logps(model, batch)
+            reference = self._reference_logps(model, batch)
         return self.objective(policy, reference)
 
     def _reference_logps(self, model, batch: dict) -> PairLogps:
-        if self.reference is None:  # the base under the adapters
-            inner = getattr(model, "module", model)  # DDP's wrapper runs no forward without gradients
-            with self.method.adapters_off(inner):
-                return self._pair_logps(inner, batch)
-        with self.accelerator.autocast() if self.accelerator else nullcontext():
-            return self._pair_logps(self.reference, batch)
+        return self.with_reference(model, lambda scorer: self._pair_logps(scorer, batch))
 
     @staticmethod
     def _pair_logps(model, batch: dict) -> PairLogps:

@@ -1,0 +1,130 @@
+"""The objective registry: what the loss learns from (`--method`), by name.
+
+An objective owns its data format, its options (checked here, in its own
+section), its loss and metrics, and what it needs from a reference. `sft` is
+each task's own loss; the others are causal-LM tasks with another loss, in
+their own modules:
+
+    dpo, simpo   preference.py: pairs of completions, one forward (preference_loss.py)
+    grpo         grpo.py: the policy's own samples, scored by reward functions (grpo_loss.py, rewards.py)
+
+Adding one (KTO, ORPO, RLOO) means a module with its Task subclass and a line
+here. This module is light on purpose: the config and the command line read it
+without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from finetune.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ObjectiveEntry:
+    name: str
+    task_class: str | None            # "module:Class" of its causal-LM Task; None: each task's own loss
+    data_format: str | None           # the one --data_format it trains on (None: any the task reads)
+    options: tuple[str, ...] = ()     # the options only it reads (refused on the command line for the others)
+    # Fine-tuning learning rates that differ from SFT's, full and under LoRA.
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    check: Callable[[Any], None] = lambda cfg: None  # its options' values, in one-line errors
+
+    def load_class(self) -> type:
+        module, name = self.task_class.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"--{name} must be a positive number, got {value}; pass e.g. "
+                             f"{getattr(type(cfg), name, 1)}")
+
+
+def check_preference(cfg) -> None:
+    _positive(cfg, "dpo_beta")
+    if not math.isfinite(cfg.simpo_gamma):
+        raise UsageError(f"--simpo_gamma must be a number, got {cfg.simpo_gamma}; pass e.g. 0.5")
+    if cfg.reference_model and cfg.peft != "none":
+        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
+                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+
+
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's names and formulas
+SCALE_REWARDS = ("group", "batch", "none")           # TRL's: the std the advantages are divided by
+
+
+def check_grpo(cfg) -> None:
+    for name in ("num_generations", "max_completion_length", "num_iterations"):
+        if getattr(cfg, name) <= 0:
+            raise UsageError(f"--{name} must be > 0, got {getattr(cfg, name)}; pass a positive value")
+    if cfg.num_generations < 2:
+        raise UsageError(f"--num_generations {cfg.num_generations}: a group needs 2 or more completions of a prompt "
+                         "to compare (its advantages are rewards minus the group's mean); pass e.g. 8")
+    if cfg.per_device_batch_size % cfg.num_generations:
+        raise UsageError(f"--per_device_batch_size {cfg.per_device_batch_size} (completions per micro-batch) is not "
+                         f"a multiple of --num_generations {cfg.num_generations}; each micro-batch holds whole "
+                         f"groups: pass --per_device_batch_size {cfg.num_generations * max(1, cfg.per_device_batch_size // cfg.num_generations)}"
+                         " or change --num_generations")
+    if cfg.max_completion_length >= cfg.block_size:
+        raise UsageError(f"--max_completion_length {cfg.max_completion_length} leaves no room for a prompt in "
+                         f"--block_size {cfg.block_size}; raise --block_size or lower --max_completion_length")
+    _positive(cfg, "temperature")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}; pass e.g. 1.0")
+    if not (0.0 <= cfg.epsilon < 1.0):
+        raise UsageError(f"--epsilon must be in [0, 1), got {cfg.epsilon}; pass e.g. 0.2")
+    if cfg.epsilon_high and not (cfg.epsilon_high > 0 and math.isfinite(cfg.epsilon_high)):
+        raise UsageError(f"--epsilon_high must be a positive number (0: the same as --epsilon), got "
+                         f"{cfg.epsilon_high}; pass e.g. 0.28")
+    if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):
+        raise UsageError(f"--beta (the KL coefficient) must be >= 0, got {cfg.beta}; pass 0 (no KL, TRL's default) "
+                         "or e.g. 0.04")
+    if cfg.loss_type not in GRPO_LOSSES:
+        raise UsageError(f"--loss_type {cfg.loss_type!r} is not supported; choose one of {', '.join(GRPO_LOSSES)}")
+    if cfg.scale_rewards not in SCALE_REWARDS:
+        raise UsageError(f"--scale_rewards {cfg.scale_rewards!r} is not supported; choose one of "
+                         f"{', '.join(SCALE_REWARDS)}")
+    if not cfg.reward_funcs:
+        raise UsageError("--method grpo needs --reward_funcs: a FILE.py:NAME or module:NAME of yours, or a built-in "
+                         "(exact_match, format, length_penalty); see docs/grpo.md")
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
+        raise UsageError(f"--reward_weights has {len(cfg.reward_weights)} weight(s) for {len(cfg.reward_funcs)} "
+                         "--reward_funcs; give one weight per function, in the same order")
+    if not all(math.isfinite(w) for w in cfg.reward_weights):
+        raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
+    if cfg.reference_model and cfg.peft != "none":
+        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
+                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+
+
+PREFERENCE_OPTIONS = ("dpo_beta", "max_prompt_length")
+GRPO_OPTIONS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+                "loss_type", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
+                "mask_truncated_completions", "beta", "log_completions_every", "reward_pattern")
+
+REGISTRY: dict[str, ObjectiveEntry] = {entry.name: entry for entry in (
+    ObjectiveEntry("sft", None, None),
+    # Preference tuning moves a model much less than SFT: TRL's DPOConfig
+    # default for full fine-tuning, and the rate of its LoRA example.
+    ObjectiveEntry("dpo", "finetune.objectives.preference:PreferenceLM", "preference",
+                   (*PREFERENCE_OPTIONS, "dpo_loss", "reference_model", "precompute_reference"),
+                   {"full": 1e-6, "lora": 5e-6}, check_preference),
+    ObjectiveEntry("simpo", "finetune.objectives.preference:PreferenceLM", "preference",
+                   (*PREFERENCE_OPTIONS, "simpo_gamma"), {"full": 1e-6, "lora": 5e-6}, check_preference),
+    # TRL's GRPOConfig learning rate is 1e-6; its LoRA examples use 1e-5.
+    ObjectiveEntry("grpo", "finetune.objectives.grpo:GRPOLM", "prompt", (*GRPO_OPTIONS, "reference_model"),
+                   {"full": 1e-6, "lora": 1e-5}, check_grpo),
+)}
+
+OBJECTIVES = tuple(REGISTRY)
+
+
+def objective_of_option(name: str) -> tuple[str, ...]:
+    """The objectives that read an option (empty: every one)."""
+    return tuple(entry.name for entry in REGISTRY.values() if name in entry.options)

@@ -1,0 +1,120 @@
+"""GRPO's arithmetic (TRL's formulas and names), on tensors alone.
+
+For each prompt, a group of G completions is sampled and scored. A
+completion's advantage is its reward minus its group's mean, divided by the
+group's std (`scale_rewards=group`), the batch's (`batch`) or not (`none`).
+Each completion token then has the clipped policy-gradient loss
+
+    r = exp(logp - logp_old)
+    loss_t = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) [+ beta * kl_t]
+    kl_t = exp(ref - logp) - (ref - logp) - 1       (the k3 estimator)
+
+where logp_old is the sampling policy's (equal to logp, detached, when each
+batch of samples trains one step: r = 1). The loss types differ only in how
+the token losses are averaged; `reduced` returns the sum and the count the
+training loop divides it by over the whole global batch:
+
+    dapo     every completion token of the global batch
+    grpo     each completion's mean, then over completions
+    dr_grpo  completions x max_completion_length
+    bnpo     each micro-batch's tokens, then over micro-batches
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STD_EPSILON = 1e-4  # TRL's: advantages of a group with one reward stay finite
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased std ignoring NaNs (TRL's nanstd)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    std = torch.sqrt(variance * count / (count - 1))
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+@dataclass
+class Advantages:
+    rewards: torch.Tensor       # [N] the weighted sum of the functions' rewards (NaN: no function applied)
+    advantages: torch.Tensor    # [N]
+    std_is_zero: torch.Tensor   # [N] bool: the completion's group (or the batch) had one reward
+
+
+def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> Advantages:
+    """`per_function`: [N, F] rewards (NaN where a function returned None), N
+    completions in groups of `num_generations` consecutive rows."""
+    unscorable = torch.isnan(per_function).all(dim=1)
+    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:  # "none" still reports which groups had one reward
+        std = nanstd(groups, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPSILON)
+    return Advantages(rewards, torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std)))
+
+
+@dataclass
+class TokenLosses:
+    losses: torch.Tensor                 # [B, T] per completion token, 0 elsewhere
+    kl: torch.Tensor | None              # [B, T] or None without a reference
+    low_clipped: torch.Tensor            # [B, T] bool: r < 1 - eps_low where A < 0
+    high_clipped: torch.Tensor           # [B, T] bool: r > 1 + eps_high where A > 0
+
+
+def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+                 epsilon_low: float, epsilon_high: float, beta: float = 0.0,
+                 reference_logps: torch.Tensor | None = None) -> TokenLosses:
+    """`logps`, `old_logps`, `reference_logps`: [B, T] log-probs of the
+    completion tokens (anything where `mask` is False); `advantages`: [B]."""
+    old_logps = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    advantage = advantages.unsqueeze(1)
+    losses = -torch.min(ratio * advantage, clipped * advantage)
+    kl = None
+    if beta:
+        delta = reference_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        losses = losses + beta * kl
+    mask = mask.bool()
+    return TokenLosses(losses * mask, kl * mask if kl is not None else None,
+                       (ratio < 1 - epsilon_low) & (advantage < 0) & mask,
+                       (ratio > 1 + epsilon_high) & (advantage > 0) & mask)
+
+
+def reduced(losses: torch.Tensor, mask: torch.Tensor, loss_type: str,
+            max_completion_length: int) -> tuple[torch.Tensor, float]:
+    """(sum, count) of one micro-batch: the loss of a step is the sum over its
+    global batch divided by the count over it."""
+    tokens = mask.sum()
+    if loss_type == "dapo":
+        return losses.sum(), float(tokens)
+    if loss_type == "grpo":
+        return (losses.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), float(len(losses))
+    if loss_type == "dr_grpo":
+        return losses.sum() / max_completion_length, float(len(losses))
+    if loss_type == "bnpo":
+        return losses.sum() / tokens.clamp(min=1), 1.0
+    raise ValueError(f"unknown loss type {loss_type}")
+
+
+def loss_count(mask: torch.Tensor, loss_type: str) -> float:
+    """`reduced`'s count, known before the forward."""
+    return {"dapo": float(mask.sum()), "bnpo": 1.0}.get(loss_type, float(len(mask)))
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the entropy of each position's next-token distribution."""
+    logps = torch.log_softmax(logits.float(), dim=-1)
+    return -(logps.exp() * logps).sum(dim=-1)

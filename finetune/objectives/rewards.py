@@ -1,0 +1,185 @@
+"""Reward functions for online RL, with TRL's signature:
+
+    f(prompts, completions, completion_ids, **columns) -> list[float | None]
+
+`prompts` and `completions` are strings, or message lists for conversational
+prompts (a completion is then `[{"role": "assistant", "content": ...}]`);
+every other column of the data arrives as a keyword argument, one value per
+completion. `None` means "not applicable to this completion".
+
+A reward named FILE.py:NAME or module:NAME is the user's own code: it is
+imported only because the command line names it (never because a run config
+records it). The built-ins check what a string can: the answer column, a
+pattern, the length.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from finetune.errors import UsageError, not_a_file
+
+BUILTIN_NAMES = ("exact_match", "format", "length_penalty")
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: itself, or its messages' contents."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def normalised(text: str) -> str:
+    """Compared without surrounding space, quotes, backticks or a final full stop."""
+    return text.strip().strip("`'\"").rstrip(".").strip().lower()
+
+
+def exact_match(prompts, completions, completion_ids, answer=None, **_) -> list[float]:
+    """1 when the completion is the row's `answer` (spaces, quotes, backticks
+    and a final full stop aside, any case), else 0."""
+    if answer is None:
+        raise UsageError("the built-in reward exact_match compares each completion with the data's 'answer' column, "
+                         "which this data lacks; add an answer column, or choose another reward")
+    return [float(normalised(completion_text(c)) == normalised(str(a))) for c, a in zip(completions, answer)]
+
+
+def format_reward(pattern: str) -> Callable:
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format(prompts, completions, completion_ids, **_) -> list[float]:  # noqa: A001  (its metric name)
+        """1 when the whole completion (stripped) matches --reward_pattern, else 0."""
+        return [float(compiled.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+    return format
+
+
+def length_penalty_reward(max_completion_length: int) -> Callable:
+    def length_penalty(prompts, completions, completion_ids, **_) -> list[float]:
+        """-(completion tokens) / --max_completion_length: shorter is better, from -1 to 0."""
+        return [-len(ids) / max_completion_length for ids in completion_ids]
+
+    return length_penalty
+
+
+@dataclass
+class RewardFunction:
+    name: str       # its metric name: rewards/<name>/mean
+    spec: str       # as the command line gave it
+    function: Callable
+
+    @property
+    def user_code(self) -> bool:
+        return self.spec not in BUILTIN_NAMES
+
+
+def is_user_code(spec: str) -> bool:
+    return spec not in BUILTIN_NAMES
+
+
+def reward_file(spec: str) -> Path | None:
+    """The file a FILE.py:NAME reward is read from (None for a module or a built-in)."""
+    where = spec.rpartition(":")[0]
+    return Path(where) if where.endswith(".py") else None
+
+
+def load_reward_functions(specs: Sequence[str], pattern: str, max_completion_length: int) -> list[RewardFunction]:
+    """Each --reward_funcs entry as a function, or a one-line error naming it."""
+    functions = []
+    for spec in specs:
+        if spec == "exact_match":
+            function: Callable = exact_match
+        elif spec == "format":
+            try:
+                function = format_reward(pattern)
+            except re.error as e:
+                raise UsageError(f"--reward_pattern {pattern!r} is not a regular expression ({e}); fix it") from None
+        elif spec == "length_penalty":
+            function = length_penalty_reward(max_completion_length)
+        else:
+            function = _user_function(spec)
+        name = spec if spec in BUILTIN_NAMES else spec.rpartition(":")[2]
+        if any(f.name == name for f in functions):
+            raise UsageError(f"--reward_funcs names {name} twice; give each function once (weigh it with "
+                             "--reward_weights)")
+        functions.append(RewardFunction(name, spec, function))
+    return functions
+
+
+def _user_function(spec: str) -> Callable:
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise UsageError(f"--reward_funcs {spec!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}) nor "
+                         "FILE.py:NAME or module:NAME; name the function after a colon, e.g. rewards.py:correct")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise UsageError(f"--reward_funcs {spec}: {path} {not_a_file(path)}; pass the path of your reward file")
+        module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001  (the user's code: any error is theirs to fix)
+            raise UsageError(f"--reward_funcs {spec}: importing {path} raised {type(e).__name__}: "
+                             f"{_first_line(e)}; fix the file") from None
+        sys.modules[module_name] = module
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise UsageError(f"--reward_funcs {spec}: no module {where} can be imported ({_first_line(e)}); pass "
+                             "FILE.py:NAME for a file, or install the module") from None
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"--reward_funcs {spec}: importing {where} raised {type(e).__name__}: "
+                             f"{_first_line(e)}; fix the module") from None
+    function = getattr(module, name, None)
+    if function is None:
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise UsageError(f"--reward_funcs {spec}: {where} defines no {name} (it defines: {', '.join(defined) or 'none'}); "
+                         "fix the name after the colon")
+    if not callable(function):
+        raise UsageError(f"--reward_funcs {spec}: {name} in {where} is a {type(function).__name__}, not a function; "
+                         "name a function")
+    return function
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def score(functions: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list]) -> list[list[float]]:
+    """[completion][function] rewards, NaN where a function returned None;
+    a function that raises or returns something else stops the run in one line."""
+    table = [[math.nan] * len(functions) for _ in completions]
+    for j, reward in enumerate(functions):
+        try:
+            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except UsageError:
+            raise
+        except Exception as e:  # noqa: BLE001  (the user's code)
+            raise UsageError(f"reward function {reward.spec} raised {type(e).__name__}: {_first_line(e)}; fix it "
+                             "(it is called with prompts, completions, completion_ids and the data's other columns "
+                             "as keyword arguments)") from None
+        if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+            raise UsageError(f"reward function {reward.spec} returned a {type(values).__name__}, not a list of "
+                             f"numbers; return one float (or None) per completion")
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) != len(completions):
+            raise UsageError(f"reward function {reward.spec} returned {len(values)} rewards for {len(completions)} "
+                             "completions; return one float (or None) per completion")
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or not math.isfinite(value):  # bools count as 0/1
+                raise UsageError(f"reward function {reward.spec} returned {value!r} for completion {i}; rewards must "
+                                 "be finite numbers (or None where the function does not apply)")
+            table[i][j] = float(value)
+    return table
