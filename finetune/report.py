@@ -254,9 +254,10 @@ def rank_warning(accelerator, message: str) -> None:
 
 def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
     unit = throughput_key.removesuffix("_per_sec")
-    # a method's own (rewards/...) and a mixture's tokens per source (tokens/...)
+    # an objective's own (rewards/..., reward, kl) and a mixture's tokens per source (tokens/...)
+    shown = {"step", "epoch", "loss", "lr", "grad_norm", "step_time_s", throughput_key}
     extra = "".join(f"  {name} {row[name]:,}" if isinstance(row[name], int) else f"  {name} {row[name]:.4f}"
-                    for name in row if "/" in name)
+                    for name in row if name not in shown and not name.startswith("rss_bytes_rank"))
     return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
             f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}{extra}")
 

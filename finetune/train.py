@@ -194,8 +194,8 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     if data.stream is not None:
         train_batches = StreamBatches(data.stream, accelerator, cfg.per_device_batch_size, data.collate)
     else:
-        train_batches = EpochBatches(train_loader, accelerator,
-                                     cfg.per_device_batch_size * data_parallel_size(accelerator))
+        train_batches = EpochBatches(train_loader, accelerator, task.rows_per_batch * data_parallel_size(accelerator))
+    train_batches = task.training_batches(train_batches)
     sources = SourceTally(data.source_names or cfg.sources, cfg.source_weights)
     total_steps = cfg.max_steps or cfg.num_epochs * train_batches.steps_per_epoch(cfg.gradient_accumulation_steps)
     backend.check_model(accelerator, model)
@@ -250,14 +250,14 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
             raise UsageError("--streaming splits the data by rank, and tensor-parallel ranks share one batch; stream "
                              "with an FSDP or DDP config (fsdp.yaml, hsdp.yaml), or drop --streaming")
         return None, accelerator.prepare(eval_loader)
-    if len(data.train) < cfg.per_device_batch_size * data_parallel:
+    if len(data.train) < task.rows_per_batch * data_parallel:
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
-                         f"({cfg.per_device_batch_size} x {data_parallel}); add data or lower "
+                         f"({task.rows_per_batch} x {data_parallel}); add data or lower "
                          f"{task.batch_size_options}")
     # Each loader draws from its own generator: a new iterator (every epoch, every
     # evaluation, the first after a resume) would otherwise take a number from
     # the global RNG and shift every dropout mask after it.
-    train_loader = DataLoader(data.train, batch_size=cfg.per_device_batch_size, shuffle=True, drop_last=True,
+    train_loader = DataLoader(data.train, batch_size=task.rows_per_batch, shuffle=True, drop_last=True,
                               collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed),
                               num_workers=cfg.dataloader_num_workers)
     return accelerator.prepare(train_loader, eval_loader)
@@ -385,7 +385,7 @@ def train_step(run: Run) -> StepResult:
     metric_sums, resident = sums[:len(metric_names)], sums[len(metric_names):]
     return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
                       epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident],
-                      metrics={name: value / max(count, 1) for name, value in zip(metric_names, metric_sums)})
+                      metrics=run.task.step_means(dict(zip(metric_names, metric_sums)), count))
 
 
 def after_step(run: Run, result: StepResult) -> None:

@@ -94,6 +94,20 @@ class Task:
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         """After `prepare`: lays out what the task keeps beside the trained model."""
 
+    @property
+    def rows_per_batch(self) -> int:
+        """Rows of the data in one micro-batch on one rank."""
+        return self.cfg.per_device_batch_size
+
+    def training_batches(self, batches):
+        """What the loop trains on, made from the data's batches (EpochBatches
+        or StreamBatches): those themselves, or what an objective makes of them."""
+        return batches
+
+    def step_means(self, sums: dict[str, float], count: float) -> dict[str, float]:
+        """A step's `step_metrics` from their sums over the global batch and its number of targets."""
+        return {name: value / max(count, 1) for name, value in sums.items()}
+
     def frozen_reference(self) -> str | None:
         """The model a frozen copy the run compares with is read from (its
         checkpoints fingerprint it as they do the data); None without one."""
