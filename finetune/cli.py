@@ -26,6 +26,7 @@ from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWH
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
+from finetune.objectives.rewards import absolute_reward, is_user_code
 from finetune.tasks import REGISTRY
 
 
@@ -453,10 +454,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise UsageError(f"resume continues {args.run_dir} in place and takes no --output_dir; to continue in "
                          f"{given['output_dir']}, copy the run there first (cp -r {args.run_dir} "
                          f"{given['output_dir']}) and resume that")
+    if "reward_funcs" in given:  # recorded with their files' absolute paths
+        given["reward_funcs"] = [absolute_reward(spec) for spec in given["reward_funcs"]]
     overrides = {"resume_from_checkpoint": "latest", **given, "output_dir": args.run_dir}
     if "text_sample_by" not in recorded:  # a run from before the option: its data stays as it was made
         overrides.setdefault("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS)
     cfg = load_config(run_config, overrides)
+    if (own := [spec for spec in cfg.reward_funcs if is_user_code(spec)]) and "reward_funcs" not in given:
+        raise UsageError(f"{args.run_dir} is scored by reward functions of your own code ({' '.join(own)}), which "
+                         "finetune imports only when the command line names them: resume with "
+                         f"`finetune resume {args.run_dir} --reward_funcs {' '.join(cfg.reward_funcs)}`")
     if under_a_launcher():
         if args.num_processes is not None:
             raise UsageError("under a launcher, the number of processes is the launcher's: give --num_processes to "

@@ -21,6 +21,7 @@ import yaml
 
 from finetune.data.fingerprint import INPUT_OPTIONS, absolute
 from finetune.errors import UsageError, not_a_file
+from finetune.objectives.rewards import absolute_reward
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY, objective_of_option
 from finetune.tasks import REGISTRY
 
@@ -309,6 +310,7 @@ class TrainConfig:
         for name in INPUT_OPTIONS:  # a resume from another working dir reads the same files
             value = getattr(cfg, name)
             setattr(cfg, name, [absolute(v) for v in value] if isinstance(value, list) else absolute(value))
+        cfg.reward_funcs = [absolute_reward(spec) for spec in cfg.reward_funcs]
         return cfg
 
     @property

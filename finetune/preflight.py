@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from finetune.data.locations import locate
 from finetune.errors import UsageError, not_a_file
 from finetune.launch_request import check_launch_runs_here
+from finetune.objectives.rewards import check_reward_files
 from finetune.run_dir import check_run_dir
 from finetune.tasks import REGISTRY, check_preset_task, task_of_preset
 
@@ -31,6 +32,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat_template {cfg.chat_template} {not_a_file(Path(cfg.chat_template))}; pass a Jinja "
                          "template file")
+    check_reward_files(cfg.reward_funcs)
     check_launch_runs_here(cfg.peft, cfg.attn_implementation, cfg.use_liger_kernel)  # last: it imports torch
 
 

@@ -155,6 +155,12 @@ class Backend:
     def after_evaluation(self, model: torch.nn.Module) -> None:
         """Frees what forward passes without a backward left gathered."""
 
+    @contextmanager
+    def generating(self, model: torch.nn.Module):
+        """Around transformers' `generate` on the prepared model, whose forwards
+        may start below the model the backend wrapped (a PEFT model's base)."""
+        yield
+
     # A model that only runs forward (a preference method's frozen reference).
     frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead
 

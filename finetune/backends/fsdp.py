@@ -15,6 +15,8 @@ Checkpoints: the model and optimizer as DCP shards (`pytorch_model_fsdp_0/`,
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -163,6 +165,26 @@ class FSDP2(Backend):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    @contextmanager
+    def generating(self, model: torch.nn.Module):
+        """The root unit gathered for the whole generation: a PEFT model's
+        `generate` runs the forwards of the base inside it, so the root's own
+        hooks (which gather its parameters, e.g. the final norm) never fire. The
+        layers gather and free themselves, forward by forward."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            yield
+            return
+        # The root's state is set up by its first forward, which must come before any unit's:
+        # an evaluation may generate before training ran one.
+        model._get_fsdp_state()._lazy_init()
+        model.unshard()
+        try:
+            yield
+        finally:
+            self.after_evaluation(model)
 
     def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
         """Sharded like the trained model (the same units, mixed precision and

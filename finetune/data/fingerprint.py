@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from finetune.objectives.rewards import reward_file
 from finetune.errors import UsageError
 
 # The options that name files the run reads; their values are recorded as absolute paths.
@@ -92,6 +93,10 @@ def input_fingerprints(cfg, reference: str | None = None) -> dict[str, dict]:
                  "sha256": hashlib.sha256("".join(p.get("content_sha256", p["sha256"]) for p in prints).encode()
                                           ).hexdigest()},
                 {file: ns for p in prints for file, ns in p.get("times_ns", {}).items()})
+    rewards = {spec: hashlib.sha256(path.read_bytes()).hexdigest() for spec in getattr(cfg, "reward_funcs", [])
+               if (path := reward_file(spec)) is not None and path.is_file()}
+    if rewards:  # the user's reward files, by content
+        found["reward_funcs"] = rewards
     return found
 
 
@@ -116,6 +121,12 @@ def check_same_inputs(recorded: Any, now: dict[str, dict], cfg, checkpoint_dir: 
         raise UsageError(f"{named} {getattr(cfg, named[2:])} is not the reference {checkpoint_dir} was trained against "
                          f"({before.get('path')}, as it was then); a resume compares with the same reference: pass "
                          "it as it was, or start a new run in another --output_dir")
+    rewards_now = now.get("reward_funcs") or {}
+    for spec, digest in (recorded.get("reward_funcs") or {}).items():
+        if rewards_now.get(spec) != digest:
+            raise UsageError(f"the reward file {reward_file(spec)} changed since {checkpoint_dir} was written (or is "
+                             "gone); a resume scores with the functions its checkpoint was trained with: put the "
+                             "original back, or start a new run in another --output_dir")
     for name in INPUT_OPTIONS:
         before, after = recorded.get(name), now.get(name)
         if not isinstance(before, dict) or before.get("sha256") == (after or {}).get("sha256"):

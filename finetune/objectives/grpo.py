@@ -34,7 +34,7 @@ from finetune.data.chat import EXAMPLE_NUMBER, load_chat_template, pad_id, well_
 from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
 from finetune.objectives.reference import WithReference, without_dropout
-from finetune.objectives.rewards import RewardFunction, completion_text, load_reward_functions, score
+from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_inputs
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
@@ -67,9 +67,9 @@ class Sampler:
     longest (synced): under FSDP and ZeRO-3 each forward gathers parameters
     with the others."""
 
-    def __init__(self, accelerator: Accelerator, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-                 temperature: float, top_p: float):
-        self.accelerator, self.tokenizer = accelerator, tokenizer
+    def __init__(self, accelerator: Accelerator, backend: Backend, tokenizer: PreTrainedTokenizerBase,
+                 max_new_tokens: int, temperature: float, top_p: float):
+        self.accelerator, self.backend, self.tokenizer = accelerator, backend, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -77,7 +77,7 @@ class Sampler:
         generator = self.accelerator.unwrap_model(model)
         sampling = {} if greedy else {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                                       "top_k": 0}
-        with torch.no_grad():
+        with torch.no_grad(), self.backend.generating(model):
             out = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=self.max_new_tokens,
                                      min_new_tokens=0, pad_token_id=pad_id(self.tokenizer),
                                      eos_token_id=self.tokenizer.eos_token_id, use_cache=True,
@@ -128,7 +128,7 @@ class GRPOLM(WithReference, CausalLM):
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)  # the sampling policy and the trained one are the same function
         self.tokenizer = data.tokenizer
-        self.sampler = Sampler(accelerator, data.tokenizer, self.cfg.max_completion_length, self.cfg.temperature,
+        self.sampler = Sampler(accelerator, backend, data.tokenizer, self.cfg.max_completion_length, self.cfg.temperature,
                                self.cfg.top_p)
         if self.frozen_reference() is not None:
             self.reference = self.reference_model(data.tokenizer, model.config.vocab_size)
@@ -141,7 +141,8 @@ class GRPOLM(WithReference, CausalLM):
         self.policy, self.backend = model, backend
 
     def summary_facts(self) -> dict[str, Any]:
-        return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards]}
+        return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards],
+                "last_rollout": self.rollout_metrics}  # TRL's names, of the last step's samples
 
     def training_batches(self, batches):
         return RolloutBatches(batches, self)

@@ -89,6 +89,26 @@ def reward_file(spec: str) -> Path | None:
     return Path(where) if where.endswith(".py") else None
 
 
+def absolute_reward(spec: str) -> str:
+    """FILE.py:NAME with the file's absolute path, so that a resume from another dir reads the same file."""
+    path = reward_file(spec)
+    return f"{path.absolute()}:{spec.rpartition(':')[2]}" if path is not None and path.exists() else spec
+
+
+def check_reward_files(specs: Sequence[str]) -> None:
+    """What can be said of --reward_funcs without importing anything: the form, and that a file exists."""
+    for spec in specs:
+        if spec in BUILTIN_NAMES:
+            continue
+        where, _, name = spec.rpartition(":")
+        if not where or not name.isidentifier():
+            raise UsageError(f"--reward_funcs {spec!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}) nor "
+                             "FILE.py:NAME or module:NAME; name the function after a colon, e.g. rewards.py:correct")
+        path = reward_file(spec)
+        if path is not None and not path.is_file():
+            raise UsageError(f"--reward_funcs {spec}: {path} {not_a_file(path)}; pass the path of your reward file")
+
+
 def load_reward_functions(specs: Sequence[str], pattern: str, max_completion_length: int) -> list[RewardFunction]:
     """Each --reward_funcs entry as a function, or a one-line error naming it."""
     functions = []
@@ -113,14 +133,10 @@ def load_reward_functions(specs: Sequence[str], pattern: str, max_completion_len
 
 
 def _user_function(spec: str) -> Callable:
+    check_reward_files([spec])
     where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise UsageError(f"--reward_funcs {spec!r} is neither a built-in ({', '.join(BUILTIN_NAMES)}) nor "
-                         "FILE.py:NAME or module:NAME; name the function after a colon, e.g. rewards.py:correct")
     if where.endswith(".py"):
         path = Path(where)
-        if not path.is_file():
-            raise UsageError(f"--reward_funcs {spec}: {path} {not_a_file(path)}; pass the path of your reward file")
         module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)

@@ -1,0 +1,223 @@
+"""Online RL (--method grpo) on a tiny chat model: it learns under 2-process
+FSDP (and its exported model scores higher, sampled with transformers alone),
+takes the same steps under DDP, ZeRO-2 and with LoRA, resumes exactly after
+SIGTERM, imports a reward file only when the command line names it, and
+refuses bad reward functions and data in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, check_ok, free_port, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
+from sft_models import save_chat_model, write_jsonl
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+REWARDS = '''
+def a_rich(prompts, completions, completion_ids, answer, **columns):
+    """The share of the letter a in the completion: dense, so a tiny model
+    learns it in a few steps. Every row's answer column arrives."""
+    assert len(answer) == len(completions) == len(prompts) == len(completion_ids)
+    return [c[0]["content"].count("a") / max(len(c[0]["content"]), 1) for c in completions]
+
+
+def raises(prompts, completions, completion_ids, **columns):
+    raise ValueError("no score for you")
+
+
+def wrong_length(prompts, completions, completion_ids, **columns):
+    return [1.0]
+
+
+def not_numbers(prompts, completions, completion_ids, **columns):
+    return ["high"] * len(completions)
+'''
+STEPS = 6
+
+
+def a_share(text: str) -> float:
+    return text.count("a") / max(len(text), 1)
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("grpo")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(96):
+        said = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+        rows.append({"prompt": [{"role": "user", "content": f"say {said}"}], "answer": said})
+    (root / "rewards.py").write_text(REWARDS)
+    return {"model": save_chat_model(root / "model"), "prompts": write_jsonl(root / "prompts.jsonl", rows),
+            "held_out": rows[-16:], "rewards": root / "rewards.py", "root": root}
+
+
+def grpo_args(grpo: dict, *extra) -> list:
+    return ["train", "--model", grpo["model"], "--dataset", grpo["prompts"], "--method", "grpo",
+            "--reward_funcs", f"{grpo['rewards']}:a_rich", "--num_generations", "4", "--per_device_batch_size", "8",
+            "--max_completion_length", "8", "--block_size", "64", "--learning_rate", "2e-2", "--lr_scheduler_type", "constant",
+            "--max_eval_samples", "16",
+            "--log_format", "plain", "--log_completions_every", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+@launches
+def fp32_run(grpo, env) -> Path:
+    """2-process FSDP in fp32, two steps on each rollout (clipping acts), a
+    checkpoint in the middle of a rollout: what the other backends, LoRA and
+    the resumes are held to."""
+    run = grpo["root"] / "fp32"
+    check_ok(run_cli([*grpo_args(grpo, "--max_steps", str(STEPS), "--num_iterations", "2", "--checkpoint_every", "3"),
+                      "--output_dir", run], env, mixed_precision="no", warm=True))
+    return run
+
+
+@pytest.mark.slow
+def test_grpo_learns_under_fsdp_and_its_export_scores_higher(grpo, tmp_path, env):
+    """fsdp.yaml as shipped (its precision), 2 processes: the reward rises in
+    training and on held-out prompts, every metric has TRL's name, the weights
+    are sharded, and the exported final/ beats the base model greedily."""
+    run = tmp_path / "run"
+    proc = run_cli([*grpo_args(grpo, "--max_steps", "24"), "--output_dir", run], env, warm=True)
+    check_ok(proc)
+    rows = train_rows(run)
+    for name in ("reward", "reward_std", "rewards/a_rich/mean", "rewards/a_rich/std", "frac_reward_zero_std",
+                 "completions/mean_length", "completions/clipped_ratio", "entropy", "clip_ratio/low_mean",
+                 "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert all(name in row for row in rows), name
+    assert "kl" not in rows[0]  # no KL term by default (beta 0, TRL's)
+    assert "  reward " in proc.stdout and "rewards/a_rich/mean" in proc.stdout  # on the console line too
+    first, last = (sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
+    assert last > first + 0.2, [round(r["reward"], 3) for r in rows]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.3, (summary["first_eval"],
+                                                                                      summary["last_eval"])
+    assert summary["method"] == "grpo" and summary["distributed_type"] == "FSDP"
+    assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"])  # sharded
+    assert "reward" in summary["last_rollout"]
+    samples = read_jsonl(run / "completions.jsonl")
+    assert {"prompt", "completion", "rewards/a_rich", "advantage"} <= set(samples[0])
+
+    def held_out_reward(model_dir) -> float:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        scores = []
+        for row in grpo["held_out"]:
+            ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            scores.append(a_share(tokenizer.decode(out[0, ids.size(1):], skip_special_tokens=True)))
+        return sum(scores) / len(scores)
+
+    assert held_out_reward(run / "final") > held_out_reward(grpo["model"]) + 0.3
+
+
+@pytest.mark.slow
+def test_ddp_zero2_and_lora_take_the_same_steps(grpo, fp32_run, tmp_path, env):
+    """DDP and ZeRO-2 log the FSDP run's rewards and losses; LoRA with a KL term
+    (the base, adapters off, for reference) logs the same steps under FSDP and DDP."""
+    steps = ["--max_steps", "4", "--num_iterations", "2"]
+    lora = [*steps, "--peft", "lora", "--beta", "0.04"]
+    cases = [("ddp", steps, "ddp.yaml"), ("zero2", steps, "zero2.yaml"), ("lora-fsdp", lora, "fsdp.yaml")]
+    procs = run_cli_together([(grpo_args(grpo, *args, "--output_dir", tmp_path / name),
+                               dict(config=config, mixed_precision="no")) for name, args, config in cases], env)
+    procs.append(run_cli(grpo_args(grpo, *lora, "--output_dir", tmp_path / "lora-ddp"), env, config="ddp.yaml",
+                         mixed_precision="no", warm=True))
+    for proc in procs:
+        check_ok(proc)
+    expected = {r["step"]: r for r in train_rows(fp32_run)}
+    for name in ("ddp", "zero2"):
+        got = {r["step"]: r for r in train_rows(tmp_path / name)}
+        assert sorted(got) == [1, 2, 3, 4]
+        for step, row in got.items():
+            for metric in ("loss", "reward", "entropy", "clip_ratio/region_mean"):
+                assert row[metric] == pytest.approx(expected[step][metric], rel=1e-4, abs=1e-4), (name, step, metric)
+    fsdp, ddp = ({r["step"]: r for r in train_rows(tmp_path / name)} for name in ("lora-fsdp", "lora-ddp"))
+    assert sorted(fsdp) == sorted(ddp) == [1, 2, 3, 4]
+    for step in fsdp:
+        for metric in ("loss", "reward", "kl"):
+            assert ddp[step][metric] == pytest.approx(fsdp[step][metric], rel=1e-4, abs=1e-4), (step, metric)
+    assert fsdp[4]["kl"] > 0  # the adapters moved the policy from the base
+    summary = json.loads((tmp_path / "lora-fsdp" / "summary.json").read_text())
+    assert summary["reference"] == "the base, adapters off" and summary["reference_params_per_rank"] is None
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_resumes_with_the_same_completions_and_losses(grpo, fp32_run, tmp_path, env):
+    """The stopped run, resumed from a plain shell (naming its reward file
+    again), and a resume from the checkpoint written in the middle of a rollout,
+    log the uninterrupted run's samples, rewards and losses."""
+    args = [*grpo_args(grpo, "--max_steps", str(STEPS), "--num_iterations", "2", "--checkpoint_every", "3")]
+    stopped = tmp_path / "stopped"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
+         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+         "-m", "finetune", *map(str, args), "--output_dir", str(stopped)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not (stopped / "checkpoints" / "step_000003").is_dir():
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    stop = re.search(r"stopped: SIGTERM at step (\d+)", err)
+    assert stop, err[-3000:]
+
+    refused = run_in_process("resume", stopped)  # the reward file is named only in run_config.yaml
+    assert refused.returncode == 2
+    line = refused.stderr.strip().splitlines()
+    assert len(line) == 1 and "--reward_funcs" in line[0] and "your own code" in line[0], refused.stderr
+    check_ok(run_cli(["resume", stopped, "--reward_funcs", f"{grpo['rewards']}:a_rich"], env, nproc=None, timeout=300))
+
+    middle = tmp_path / "from-step-3"  # step 3 trained on the first step of a rollout; step 4 trains on it again
+    check_ok(run_cli([*args, "--output_dir", middle, "--resume_from_checkpoint",
+                      fp32_run / "checkpoints" / "step_000003"], env, mixed_precision="no", warm=True))
+    expected = {r["step"]: r for r in train_rows(fp32_run)}
+    for run, first in ((stopped, 1), (middle, 4)):
+        got = {r["step"]: r for r in train_rows(run)}
+        assert sorted(got) == list(range(first, STEPS + 1)), run
+        for step, row in got.items():
+            for metric in ("loss", "reward", "entropy", "completions/mean_length"):
+                assert row[metric] == pytest.approx(expected[step][metric], abs=1e-6), (run.name, step, metric)
+    whole = [(r["rollout"], r["completion"]) for r in read_jsonl(fp32_run / "completions.jsonl")]
+    assert [(r["rollout"], r["completion"]) for r in read_jsonl(middle / "completions.jsonl")] == \
+        [s for s in whole if s[0] >= 2]  # rollout 1 came from the checkpoint; 2 was sampled again, the same
+
+
+@pytest.mark.parametrize("reward, says", [
+    ("missing.py:score", "missing.py does not exist"),
+    ("{rewards}:nothing", "defines no nothing"),
+    ("{rewards}:raises", "raised ValueError: no score for you"),
+    ("{rewards}:wrong_length", "returned 1 rewards for 4 completions"),
+    ("{rewards}:not_numbers", "returned 'high' for completion 0"),
+])
+def test_bad_reward_functions_end_in_one_line(grpo, tmp_path, reward, says):
+    proc = run_in_process(*grpo_args(grpo, "--max_steps", "1", "--per_device_batch_size", "4"),
+                          "--reward_funcs", reward.format(rewards=grpo["rewards"]), "--output_dir", tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bad_data_and_batch_end_in_one_line(grpo, tmp_path):
+    no_prompt = write_jsonl(tmp_path / "texts.jsonl", [{"text": "just text"}] * 8)
+    cases = [(["--dataset", no_prompt], "holds text data; give it a prompt column"),
+             (["--per_device_batch_size", "6"], "is not a multiple of --num_generations 4")]
+    for extra, says in cases:
+        proc = run_in_process(*grpo_args(grpo, "--max_steps", "1"), *extra, "--output_dir", tmp_path / "run")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
+        assert not (tmp_path / "run").exists()
