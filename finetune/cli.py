@@ -331,8 +331,12 @@ def _add_estimate_memory(sub) -> None:
                              "adapted base weights in 4 bits (default: 'none')")
     memory.add_argument("--method", choices=OBJECTIVES, default="sft",
                         help="as for train: dpo and simpo run each pair's two sequences through one forward (twice "
-                             "the activations, full logits); dpo without LoRA adds a frozen reference, laid out as "
-                             "the parameters are (default: 'sft')")
+                             "the activations, full logits); dpo without LoRA (and grpo with --beta above 0) adds a "
+                             "frozen reference, laid out as the parameters are; grpo samples --per_device_batch_size "
+                             "completions with a KV cache, then trains on them through the full logits "
+                             "(default: 'sft')")
+    memory.add_argument("--beta", type=float, default=0.0,
+                        help="grpo: the KL coefficient; above 0 a frozen reference is held (default: 0)")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
                         help=f"as for train (default: {TrainConfig().lora_r})")
     memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
@@ -567,8 +571,8 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
-    from finetune.memory import (data_ram_line, estimate, host_ram, model_shape, planned_meshes, read_launch_config,
-                                 render, render_traffic)
+    from finetune.memory import (data_ram_line, estimate, host_ram, kv_cache_bytes, model_shape, planned_meshes,
+                                 read_launch_config, render, render_traffic)
 
     launch = read_launch_config(args.accelerate_config, args.num_processes)
     num_processes = args.num_processes or launch.num_processes
@@ -582,12 +586,13 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, method, num_processes)
     ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
-    reference_copy = args.method == "dpo" and not method.saves_adapters
+    reference_copy = (args.method == "dpo" or (args.method == "grpo" and args.beta > 0)) and not method.saves_adapters
     num_machines = args.num_machines or launch.num_machines
     meshes = planned_meshes(shape, num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate,
                             args.tp_size or launch.tp)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method != "sft",
+                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method in ("dpo", "simpo"),
+                         generation=args.method == "grpo",
                          reference_copy=reference_copy, meshes=meshes, packed_rows=args.packed,
                          attn_implementation=args.attn_implementation)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
@@ -596,8 +601,15 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     print("\n" + data_ram_line(args.streaming, args.dataloader_num_workers, args.block_size))
+    if args.method == "grpo":
+        compute = 2 if mixed_precision == "bf16" else 4
+        kv = kv_cache_bytes(shape, args.per_device_batch_size, args.block_size, compute)
+        print(f"\nGRPO: sampling {args.per_device_batch_size} completions a rank (prompt and completion within "
+              f"{args.block_size} tokens) holds a KV cache of up to {kv / 2**30:.2f} GiB a rank ({kv:,} bytes; less "
+              "under grouped-query attention), in place of the training activations; the activations columns hold "
+              "the larger of the two.")
     if num_machines > 1 or meshes:
-        sequences = args.per_device_batch_size * (2 if args.method != "sft" else 1)  # a pair's two sequences
+        sequences = args.per_device_batch_size * (2 if args.method in ("dpo", "simpo") else 1)  # a pair's two sequences
         print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory,
                                     tokens=sequences * args.block_size))
     if reference_copy:

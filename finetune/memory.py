@@ -260,29 +260,42 @@ def mask_bytes(batch: int, block_size: int, attn_implementation: str, compute_by
     return batch * block_size * block_size * per_element
 
 
+def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, compute_bytes: int) -> int:
+    """A generation batch's KV cache: keys and values of every layer for every
+    token. An upper bound: grouped-query attention keeps fewer heads."""
+    return 2 * shape.layers * shape.hidden * sequences * tokens * compute_bytes
+
+
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
-             ram_efficient_loading: bool = True, pairs: bool = False,
+             ram_efficient_loading: bool = True, pairs: bool = False, generation: bool = False,
              reference_copy: bool = False, meshes: tuple[tuple[int, int, int], ...] = (),
              packed_rows: bool = False, attn_implementation: str = "flex_attention") -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     under adapters stays so; trainable parameters are fp32 under mixed precision
     (Accelerate upcasts them) and adapters always are (the adapter library upcasts them).
     `pairs`: a preference method's batch, two sequences a pair, through the full
-    logits; `reference_copy`: DPO's frozen reference beside the parameters
-    (the backends that refuse one have no rows then)."""
+    logits; `generation`: GRPO's, `batch` completions sampled with a KV cache
+    (held while sampling, in place of the training activations) and then trained
+    through the full logits; `reference_copy`: a frozen reference beside the
+    parameters (the backends that refuse one have no rows then)."""
     n = num_processes
     if pairs:
         batch, loss_chunk_size = 2 * batch, 0
+    if generation:
+        loss_chunk_size = 0
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
-    mask = mask_bytes(batch, block_size, attn_implementation, compute) if packed_rows or pairs else 0
+    mask = mask_bytes(batch, block_size, attn_implementation, compute) if packed_rows or pairs or generation else 0
+    sampling = kv_cache_bytes(shape, batch, block_size, compute) if generation else 0
     inputs = PlanInputs(
         shape=shape, num_processes=n, compute_bytes=compute, mixed_precision=mixed_precision, weight_bytes=weight_bytes,
         trained_bytes=4 if t < p or mixed_precision != "no" else weight_bytes,
-        activations=mask + activation_bytes(shape, batch, block_size, compute, loss_chunk_size=loss_chunk_size),
-        checkpointed_activations=mask + activation_bytes(shape, batch, block_size, compute, checkpointing=True,
-                                                         loss_chunk_size=loss_chunk_size),
+        activations=max(sampling, mask + activation_bytes(shape, batch, block_size, compute,
+                                                          loss_chunk_size=loss_chunk_size)),
+        checkpointed_activations=max(sampling, mask + activation_bytes(shape, batch, block_size, compute,
+                                                                       checkpointing=True,
+                                                                       loss_chunk_size=loss_chunk_size)),
         # Gathered copies: two units (the current one and the prefetched next one).
         gather_units=min(2 * shape.largest_unit, p) * compute if n > 1 else 0,
         frozen_whole=frozen_bytes(shape, weight_bytes), frozen_shard=frozen_bytes(shape, weight_bytes, n),

@@ -10,6 +10,7 @@ markdown table and JSON.
     python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]   # QLoRA too on a GPU
     python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
     python scripts/bench.py --suite data [--model tiny-gpt2] [--data_workers 2]   # the stream against training
+    python scripts/bench.py --suite grpo [--model small-gpt2]   # against TRL's GRPOTrainer: pip install trl
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -103,6 +104,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -797,6 +799,104 @@ def suite_dpo(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def grpo_model_and_prompts(args, root: Path, count: int = 512) -> tuple[Path, Path]:
+    """The built-in "which module defines X" prompts as strings with their
+    answers, and a model dir both tools start from (as for --suite dpo)."""
+    import torch
+
+    from finetune import models
+    from finetune.data.builtin import build_stdlib_module_questions
+    from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
+    from finetune.presets import GPT2_PRESETS
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in build_stdlib_module_questions().read_text().splitlines()]
+    rows = random.Random(0).sample(rows, count)
+    prompts = [{"prompt": r["prompt"][0]["content"] + "\n", "answer": r["answer"]} for r in rows]
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    if args.model not in GPT2_PRESETS:
+        return Path(model_source(args.model)), data
+    model_dir = root / "model"
+    save_bpe_tokenizer(Dataset.from_list([{"text": p["prompt"] + p["answer"]} for p in prompts]),
+                       GPT2_PRESETS[args.model]["vocab_size"], model_dir)
+    tokenizer = load_preset_tokenizer(model_dir, args.model)
+    torch.manual_seed(42)
+    models.build_gpt2(models.gpt2_config(GPT2_PRESETS[args.model], tokenizer.bos_token_id,
+                                         tokenizer.eos_token_id)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, data
+
+
+def suite_grpo(args) -> tuple[list[dict], str]:
+    """GRPO, 2 processes under fsdp.yaml, the same model, prompts, reward
+    (finetune's exact_match), group size, completion length, batch, learning rate
+    and steps: our loop against TRL's GRPOTrainer (transformers' generate, no
+    vLLM; `pip install trl`) under the same launch."""
+    completions = 2 * args.batch  # per step, both ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = grpo_model_and_prompts(args, Path(tmp))
+
+        def run_case(case: str, round_index: int) -> dict:
+            print(f"[bench] {case}, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{case.replace(' ', '-').replace(',', '')}-{round_index}"
+            if case.startswith("TRL"):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_grpo.py"), str(model_dir), str(data),
+                       str(run_dir), str(args.batch), str(args.num_generations), str(args.max_completion_length),
+                       str(args.steps), str(args.grpo_learning_rate), args.mixed_precision]
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
+                if proc.returncode != 0:
+                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
+                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
+                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+                        "distributed_type": ranks[0]["distributed_type"],
+                        "local_params_per_rank": [r["local_params"] for r in ranks], "rewards": ranks[0]["rewards"],
+                        "completion_length": statistics.mean(ranks[0]["completion_lengths"])}
+            config = "ddp.yaml" if "DDP" in case else "fsdp.yaml"
+            launch(config, 2, ["--model", str(model_dir), "--dataset", str(data), "--method", "grpo",
+                                    "--reward_funcs", "exact_match", "--num_generations", str(args.num_generations),
+                                    "--max_completion_length", str(args.max_completion_length),
+                                    "--per_device_batch_size", str(args.batch), "--max_steps", str(args.steps),
+                                    "--learning_rate", str(args.grpo_learning_rate), "--lr_scheduler_type", "constant",
+                                    "--warmup_ratio", "0", "--block_size", str(args.block_size),
+                                    "--max_eval_batches", "1", "--sample_prompt", "", "--output_dir", str(run_dir)],
+                   args.mixed_precision)
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            trained = [r for r in rows if "loss" in r]
+            return {"case": case, **measure(run_dir), "rewards": [r["reward"] for r in trained],
+                    "completion_length": statistics.mean(r["completions/mean_length"] for r in trained)}
+
+        # On a CPU, Accelerate runs TRL's Trainer as DDP whatever the launch says: our DDP run is the like-for-like one.
+        cases = ["finetune GRPO", "finetune GRPO, DDP", "TRL GRPOTrainer"]
+        results = fastest_rounds(cases, run_case, args.rounds)
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} completions a step ({args.num_generations} per "
+             f"prompt, at most {args.max_completion_length} tokens) of the built-in module questions, reward "
+             f"exact_match, learning rate {args.grpo_learning_rate}, fsdp.yaml (ddp.yaml where named), {args.mixed_precision}, fastest of "
+             f"{args.rounds} round(s); memory in bytes per rank", "",
+             "| case | layout | step time (s) | completion tokens generated/s | tokens trained/s | peak memory per rank "
+             "| reward, step by step | vs TRL (step time) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    trl = results[-1]
+    for r in results:
+        if r.get("failed"):
+            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | | | |")
+            continue
+        generated = completions * r["completion_length"] / r["step_time_s"]
+        trained = f"{r['tokens_per_sec']:,.0f}" if "tokens_per_sec" in r else "-"
+        versus = f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-"
+        layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {generated:,.0f} | {trained} | "
+                     f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | "
+                     f"{' '.join(f'{x:.2f}' for x in r['rewards'])} | {versus} |")
+    lines += ["", "step time: the median between step ends after the first steps, generation included; tokens "
+                  "generated: completions a step x their mean length (each tool's own) / step time; tokens trained: "
+                  "prompt and completion tokens of our steps (TRL's Trainer does not log them)"]
+    return results, "\n".join(lines)
+
+
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
@@ -859,7 +959,8 @@ def suite_startup(args) -> tuple[list[dict], str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data"],
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data",
+                                            "grpo"],
                         default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
@@ -881,6 +982,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora_r", type=int, default=16, help="lora: the adapters' rank")
     parser.add_argument("--data_workers", type=int, default=2, help="data: the pipeline's encoding workers")
     parser.add_argument("--data_tokens", type=int, default=2_000_000, help="data: tokens the pipeline is timed over")
+    parser.add_argument("--num_generations", type=int, default=4, help="grpo: completions per prompt")
+    parser.add_argument("--max_completion_length", type=int, default=16, help="grpo: most tokens per completion")
+    parser.add_argument("--grpo_learning_rate", type=float, default=1e-5, help="grpo: both tools' learning rate")
     parser.add_argument("--only", default="",
                         help="run only the configs suite's cases whose config contains this (or one of these, comma-separated)")
     return parser
@@ -891,7 +995,7 @@ def main() -> None:
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data}
+              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data, "grpo": suite_grpo}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)

@@ -92,3 +92,29 @@ def test_packed_rows_cost_a_quadratic_mask_only_under_sdpa_and_eager():
     assert activations("--attn_implementation", "sdpa") == plain  # plain text blocks need no mask
     assert activations("--packed", "--attn_implementation", "sdpa") - plain == 2 * 1024 * 1024 * (1 + 2)  # bool + bf16
     assert activations("--packed", "--attn_implementation", "eager") - plain == 2 * 1024 * 1024 * (1 + 4)
+
+
+def test_grpo_plans_its_kv_cache_its_full_logits_and_a_reference_only_with_a_kl_term(capsys):
+    """gpt2-small (12 layers, 768 wide), 64 completions of 1024 tokens a rank in
+    bf16: a KV cache of 2 x 12 x 768 x 64 x 1024 x 2 bytes, larger than the
+    training activations it replaces while sampling; --beta adds DPO's reference."""
+    from finetune.cli import main
+
+    def plan(*extra) -> tuple[dict, str]:
+        assert main(["estimate-memory", "--model", "gpt2-small", "--num_processes", "2", "--per_device_batch_size",
+                     "64", "--block_size", "1024", "--mixed_precision", "bf16", *extra]) == 0
+        out = capsys.readouterr().out
+        return {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+                if line.startswith("| ") and "---" not in line}, out
+
+    sft, _ = plan()
+    grpo, out = plan("--method", "grpo")
+    kv = 2 * 12 * 768 * 64 * 1024 * 2
+    assert f"KV cache of up to {kv / 2**30:.2f} GiB a rank ({kv:,} bytes" in out
+    activations = {name: int(row[6].replace(",", "")) for name, row in grpo.items() if name.startswith("FSDP full")}
+    assert activations["FSDP full shard"] >= kv
+    assert activations["FSDP full shard"] > int(sft["FSDP full shard"][6].replace(",", ""))  # the full logits
+    assert "frozen reference" not in out  # none without a KL term
+    with_kl, out = plan("--method", "grpo", "--beta", "0.04")
+    assert "| frozen reference |" in out
+    assert with_kl["FSDP full shard"][7].strip() == f"{124_439_808 // 2 * 4:,}"  # fp32, sharded as the parameters
