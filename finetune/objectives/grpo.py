@@ -228,7 +228,7 @@ class GRPOLM(WithReference, CausalLM):
         per_function = torch.cat([b.pop("_rewards") for b in batches])
         # Every rank's rewards: the batch std (scale_rewards=batch) and the metrics span them all.
         everyone = acc.gather(per_function.to(acc.device)).cpu()
-        advantages = grpo_loss.group_advantages(everyone, self.weights, groups, cfg.scale_rewards)
+        advantages = self.advantages(everyone)
         mine = slice(acc.process_index * len(per_function), (acc.process_index + 1) * len(per_function))
         start = 0
         for batch in batches:
@@ -246,6 +246,10 @@ class GRPOLM(WithReference, CausalLM):
         if cfg.log_completions_every and number % cfg.log_completions_every == 0 and acc.is_main_process:
             self._log_completions(batches[0], per_function, advantages.advantages[mine], number)
         return batches
+
+    def advantages(self, per_function: torch.Tensor) -> grpo_loss.Advantages:
+        """Every rank's completions' advantages from their rewards [N, functions]."""
+        return grpo_loss.group_advantages(per_function, self.weights, self.cfg.num_generations, self.cfg.scale_rewards)
 
     def _completion_batch(self, prompts: dict, completion_ids: torch.Tensor) -> dict:
         """Training rows of prompt + completion (up to its end-of-text token),
