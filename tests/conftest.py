@@ -460,6 +460,12 @@ def stand_in(placeholder: str, work: Path) -> None:
     run): a data file or dir by its name, a small chat model otherwise."""
     from sft_models import conversations, save_chat_model, write_jsonl
 
+    if ".py:" in placeholder:  # a reward function: FILE.py:NAME
+        file, _, function = placeholder.rpartition(":")
+        (work / file).parent.mkdir(parents=True, exist_ok=True)
+        (work / file).write_text(f"def {function}(prompts, completions, completion_ids, **columns):\n"
+                                 "    return [1.0 for _ in completions]\n")
+        return
     path = work / placeholder
     name = path.name
     if "*" in name:  # a glob: one file it matches

@@ -38,7 +38,7 @@ def completion_text(completion: Any) -> str:
 
 def normalised(text: str) -> str:
     """Compared without surrounding space, quotes, backticks or a final full stop."""
-    return text.strip().strip("`'\"").rstrip(".").strip().lower()
+    return text.strip(" \t\r\n`'\".").lower()
 
 
 def exact_match(prompts, completions, completion_ids, answer=None, **_) -> list[float]:
