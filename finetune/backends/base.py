@@ -155,6 +155,8 @@ class Backend:
     def after_evaluation(self, model: torch.nn.Module) -> None:
         """Frees what forward passes without a backward left gathered."""
 
+    generation_refusal: str | None = None  # why an online objective cannot sample under this backend, and the fix
+
     @contextmanager
     def generating(self, model: torch.nn.Module):
         """Around transformers' `generate` on the prepared model, whose forwards

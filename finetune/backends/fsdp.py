@@ -355,6 +355,10 @@ class FSDP1(FSDP2):
 
     frozen_model_refusal = ("finetune shards a frozen reference model under FSDP2 (and DeepSpeed), not FSDP1; "
                             "launch with `--config_file $(finetune configs --path fsdp)`")
+    # Sampling runs transformers' generate on the sharded model: through FSDP2's per-layer
+    # gathering only (FSDP1's root would need its flat parameters summoned, untested here).
+    generation_refusal = ("--method grpo samples from the model as FSDP2 (and DDP, DeepSpeed) hold it, not FSDP1; "
+                          "launch with `--config_file $(finetune configs --path fsdp)`")
 
     def weights_from_main_process(self, accelerator: Accelerator) -> bool:
         return False

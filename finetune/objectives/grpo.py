@@ -124,6 +124,8 @@ class GRPOLM(WithReference, CausalLM):
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         self.check_reference_fits(backend)
+        if backend.generation_refusal:
+            raise UsageError(backend.generation_refusal)
         self.accelerator, self.run_dir = accelerator, run_dir
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)  # the sampling policy and the trained one are the same function
