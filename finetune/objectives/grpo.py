@@ -42,6 +42,7 @@ from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
 # Summed over a step's completion tokens, logged as their means (TRL's names).
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 FLOAT_KEYS = ("advantages", "old_logps", "reference_logps")  # a saved rollout's float tensors
+COMPLETIONS_FILE = "completions.jsonl"
 
 
 class PromptCollator:
@@ -317,19 +318,24 @@ class GRPOLM(WithReference, CausalLM):
         return {k: (v if math.isfinite(v) else 0.0) for k, v in metrics.items()}  # nan: no function applied
 
     def _log_completions(self, batch: dict, per_function: torch.Tensor, advantages: torch.Tensor, number: int) -> None:
-        """The main process's first micro-batch, as TRL's completions table."""
+        """The main process's first micro-batch, as TRL's completions table:
+        in completions.jsonl, and in the trackers that keep tables (W&B, ClearML)."""
         texts = self.tokenizer.batch_decode(
-            [ids[lab != IGNORE].tolist() if (lab != IGNORE).any() else ids[mask.bool()][-int(n):].tolist()
-             for ids, lab, mask, n in zip(batch["input_ids"].cpu(), batch["labels"].cpu(),
-                                           batch["attention_mask"].cpu(), batch["completion_length"].cpu())],
+            [ids[mask.bool()][-int(n):].tolist() for ids, mask, n in
+             zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), batch["completion_length"].cpu())],
             skip_special_tokens=True)
-        with (self.run_dir / "completions.jsonl").open("a") as out:
-            for i, row in enumerate(batch["row"].tolist()):
-                prompt = self.rows[row]["prompt"]
-                out.write(json.dumps({"rollout": number, "prompt": prompt, "completion": texts[i],
-                                      **{f"rewards/{r.name}": per_function[i, j].item()
-                                         for j, r in enumerate(self.rewards)},
-                                      "advantage": advantages[i].item()}) + "\n")
+        step = number * self.cfg.num_iterations + 1  # the first step that trains on this rollout
+        rows = [{"step": step, "rollout": number, "prompt": self.rows[row]["prompt"], "completion": texts[i],
+                 **{f"rewards/{r.name}": per_function[i, j].item() for j, r in enumerate(self.rewards)},
+                 "advantage": advantages[i].item()} for i, row in enumerate(batch["row"].tolist())]
+        with (self.run_dir / COMPLETIONS_FILE).open("a") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+        columns = [name for name in rows[0] if name != "rollout"]
+        for tracker in self.accelerator.trackers:
+            if hasattr(tracker, "log_table"):
+                tracker.log_table("completions", columns=columns,
+                                  data=[[json.dumps(v) if isinstance(v, list) else v for v in (row[c] for c in columns)]
+                                        for row in rows], step=step)
 
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         """[B, T] log-probs of each position's target token (0 where none), without gradients."""
@@ -452,6 +458,11 @@ class RolloutBatches:
         saved = state.get("rollout") or {}
         self.rollouts, self.uses_left = int(saved.get("made", 0)), int(saved.get("uses_left", 0))
         self.task.rollout_metrics = dict(saved.get("metrics", {}))
+        samples = self.task.run_dir / COMPLETIONS_FILE
+        if self.task.accelerator.is_main_process and samples.is_file():  # rollouts after the checkpoint are redone
+            kept = [line for line in samples.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("rollout", 0) < self.rollouts]
+            samples.write_text("".join(line + "\n" for line in kept))
         if not self.uses_left:
             return
         acc, per_rank = self.task.accelerator, saved.get("batches_per_rank", [])

@@ -192,6 +192,8 @@ def test_a_run_stopped_by_sigterm_resumes_with_the_same_completions_and_losses(g
             for metric in ("loss", "reward", "entropy", "completions/mean_length"):
                 assert row[metric] == pytest.approx(expected[step][metric], abs=1e-6), (run.name, step, metric)
     whole = [(r["rollout"], r["completion"]) for r in read_jsonl(fp32_run / "completions.jsonl")]
+    # The stopped run's samples after its checkpoint were dropped and sampled again, the same.
+    assert [(r["rollout"], r["completion"]) for r in read_jsonl(stopped / "completions.jsonl")] == whole
     assert [(r["rollout"], r["completion"]) for r in read_jsonl(middle / "completions.jsonl")] == \
         [s for s in whole if s[0] >= 2]  # rollout 1 came from the checkpoint; 2 was sampled again, the same
 

@@ -42,6 +42,35 @@ def test_bad_values_are_rejected_before_anything_runs(overrides, problem):
         load_config(None, overrides)
 
 
+GRPO = {"method": "grpo", "reward_funcs": ["exact_match"]}
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"method": "grpo"}, "--method grpo needs --reward_funcs"),
+    ({**GRPO, "num_generations": "1"}, "a group needs 2 or more completions"),
+    ({**GRPO, "per_device_batch_size": "6", "num_generations": "4"}, "pass --per_device_batch_size 4"),
+    ({**GRPO, "max_completion_length": "128"}, "leaves no room for a prompt in --block_size 128"),
+    ({**GRPO, "reward_weights": ["1", "2"]}, "2 weight\\(s\\) for 1 --reward_funcs"),
+    ({**GRPO, "loss_type": "ppo"}, "--loss_type 'ppo' is not supported"),
+    ({**GRPO, "beta": "-1"}, "--beta \\(the KL coefficient\\) must be >= 0"),
+    ({**GRPO, "top_p": "0"}, "--top_p must be in"),
+    ({**GRPO, "data_format": "chat"}, "--method grpo trains on prompts alone"),
+    ({"data_format": "prompt"}, "--data_format prompt is what --method grpo trains on"),
+    ({"num_generations": "4"}, "--num_generations applies to --method grpo and this run is --method sft"),
+    ({"method": "dpo", "reward_funcs": ["format"]}, "--reward_funcs applies to --method grpo"),
+])
+def test_an_objectives_options_are_checked_in_its_own_section(overrides, problem):
+    with pytest.raises(UsageError, match=problem):
+        load_config(None, overrides)
+
+
+def test_grpo_takes_trls_defaults_and_learning_rates():
+    cfg = load_config(None, {**GRPO, "model": "path/to/pretrained"})
+    assert (cfg.num_generations, cfg.loss_type, cfg.epsilon, cfg.beta, cfg.scale_rewards, cfg.learning_rate) == \
+        (8, "dapo", 0.2, 0.0, "group", 1e-6)
+    assert load_config(None, {**GRPO, "model": "path/to/pretrained", "peft": "lora"}).learning_rate == 1e-5
+
+
 def test_saved_config_loads_back_identically(tmp_path):
     cfg = load_config(None, {"max_steps": "11", "overwrite": "true"}).resolved()
     cfg.save(tmp_path / "run_config.yaml")

@@ -6,6 +6,7 @@ per-micro-batch reductions (sampling bypassed: the completions are fixed)."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from types import SimpleNamespace
 
@@ -204,3 +205,22 @@ def test_advantages_scale_by_batch_or_not_at_all_and_skip_unscorable_completions
     assert none.advantages[keep].tolist() == pytest.approx((rewards - group_means)[keep].tolist(), abs=1e-6)
     same = grpo_loss.group_advantages(torch.ones(8, 1), torch.ones(1), 4, "group")
     assert same.std_is_zero.all() and (same.advantages == 0).all()
+
+
+def test_a_sample_of_completions_goes_to_completions_jsonl_and_the_trackers_with_tables(tokenizer, tmp_path):
+    task = grpo_task(tokenizer, num_iterations=2)
+    _, texts, prompt_batch, completions = fixed_rollout(task, tokenizer, seed=6)
+    tables = []
+    tracker = SimpleNamespace(log_table=lambda name, columns, data, step: tables.append((name, columns, data, step)))
+    task.accelerator = SimpleNamespace(device=torch.device("cpu"), trackers=[tracker, SimpleNamespace()])
+    task.run_dir = tmp_path
+    batch = task._completion_batch({k: v[:1] for k, v in prompt_batch.items()}, completions[:GROUPS])
+    rewards = batch.pop("_rewards")
+    task._log_completions(batch, rewards, torch.arange(GROUPS, dtype=torch.float32), number=3)
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in rows] == tokenizer.batch_decode(texts[:GROUPS], skip_special_tokens=True)
+    assert rows[1]["rewards/exact_match"] == 1.0 and rows[0]["prompt"] == "what is the answer"
+    assert [r["step"] for r in rows] == [7] * GROUPS and [r["advantage"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    (name, columns, data, step), = tables
+    assert name == "completions" and step == 7 and columns[:3] == ["step", "prompt", "completion"]
+    assert [row[2] for row in data] == [r["completion"] for r in rows]
