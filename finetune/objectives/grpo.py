@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.backends.base import Backend
@@ -164,6 +164,10 @@ class GRPOLM(WithReference, CausalLM):
         cfg = self.cfg
         first = raw["train"][0] if len(raw["train"]) else {}
         self.conversational = isinstance(first.get("prompt"), list)
+        if self.conversational and not (cfg.chat_template or tokenizer.chat_template):
+            raise UsageError(f"--dataset {cfg.dataset} holds prompts as messages, which a chat template renders, and "
+                             f"the tokenizer of --model {cfg.model} has none; pass --chat_template FILE, prompts as "
+                             "strings, or a chat model")
         load_chat_template(tokenizer, cfg.chat_template, "chat" if self.conversational else "prompt_completion",
                            cfg.model)
         room = cfg.block_size - cfg.max_completion_length
@@ -185,8 +189,6 @@ class GRPOLM(WithReference, CausalLM):
                                  f"{cfg.block_size} leaves beside --max_completion_length {cfg.max_completion_length}; "
                                  "raise --block_size or lower --max_completion_length")
             splits[name], counts[name] = rows, (len(rows), cut, dropped)
-        from datasets import Dataset
-
         described = " / ".join(f"{n} {name}" for name, (n, _, _) in counts.items())
         fitted = sum(c for _, c, _ in counts.values()), sum(d for _, _, d in counts.values())
         note = f" ({fitted[0]} cut to their last {room} tokens)" if fitted[0] else ""
