@@ -96,6 +96,7 @@ def data_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     batch, up to max_eval_batches of them."""
     batch = config.get("per_device_eval_batch_size") or config.get("per_device_batch_size", 0)
     return {**{name: config[name] for name in DATA_OPTIONS if name in config},
+            "method": config.get("method", "sft"),  # what the held-out data was: text, pairs or prompts
             "text_sample_by": config.get("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS),
             "max_eval_rows": config.get("max_eval_batches", 0) * world_size * batch}
 

@@ -87,8 +87,14 @@ def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_
     scored on what its run evaluated on (its held-out part); otherwise on
     exactly `score_split`, else the data's own validation or test split, else
     all of it, or with `held_out` on the part a run with these options held out."""
-    entry, model, tokenizer = load_model_dir(model_dir)
     recorded = read_run_data(model_dir)
+    method = recorded.get("method", "sft")
+    if method != "sft" and "dataset" not in given:
+        held = "preference pairs" if method in ("dpo", "simpo") else "prompts without answers"
+        raise UsageError(f"{model_dir} was trained with --method {method}, whose held-out data ({held}) has no text "
+                         "to score perplexity on; its held-out scores are in its run's summary.json (first_eval, "
+                         "last_eval), or pass --dataset with text to score the model on")
+    entry, model, tokenizer = load_model_dir(model_dir)
     if "dataset" in given:  # other data: keep only the run's options that do not name its data's parts
         recorded = {k: v for k, v in recorded.items() if k not in OF_THE_RUNS_DATA}
     options = {**recorded, **given}

@@ -122,6 +122,9 @@ def test_grpo_learns_under_fsdp_and_its_export_scores_higher(grpo, tmp_path, env
         return sum(scores) / len(scores)
 
     assert held_out_reward(run / "final") > held_out_reward(grpo["model"]) + 0.3
+    # Its held-out prompts have no text to score perplexity on: said in one line, not scored on other text.
+    refused = run_in_process("evaluate", run / "final")
+    assert refused.returncode == 2 and "was trained with --method grpo" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
