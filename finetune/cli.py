@@ -463,11 +463,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     overrides = {"resume_from_checkpoint": "latest", **given, "output_dir": args.run_dir}
     if "text_sample_by" not in recorded:  # a run from before the option: its data stays as it was made
         overrides.setdefault("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS)
+    recorded_rewards = [str(spec) for spec in recorded.get("reward_funcs") or []]
+    if any(is_user_code(spec) for spec in recorded_rewards) and "reward_funcs" not in given:
+        raise UsageError(f"{args.run_dir} is scored by reward functions of your own code, which finetune imports "
+                         "only when the command line names them: resume with "
+                         f"`finetune resume {args.run_dir} --reward_funcs {' '.join(recorded_rewards)}`")
     cfg = load_config(run_config, overrides)
-    if (own := [spec for spec in cfg.reward_funcs if is_user_code(spec)]) and "reward_funcs" not in given:
-        raise UsageError(f"{args.run_dir} is scored by reward functions of your own code ({' '.join(own)}), which "
-                         "finetune imports only when the command line names them: resume with "
-                         f"`finetune resume {args.run_dir} --reward_funcs {' '.join(cfg.reward_funcs)}`")
     if under_a_launcher():
         if args.num_processes is not None:
             raise UsageError("under a launcher, the number of processes is the launcher's: give --num_processes to "
@@ -586,13 +587,14 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     shape = model_shape(args.model, method, num_processes)
     ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
+    rows = OBJECTIVE_REGISTRY[args.method].data_format  # pairs, prompts to sample from, or the task's own
     reference_copy = (args.method == "dpo" or (args.method == "grpo" and args.beta > 0)) and not method.saves_adapters
     num_machines = args.num_machines or launch.num_machines
     meshes = planned_meshes(shape, num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate,
                             args.tp_size or launch.tp)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=args.method in ("dpo", "simpo"),
-                         generation=args.method == "grpo",
+                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=rows == "preference",
+                         generation=rows == "prompt",
                          reference_copy=reference_copy, meshes=meshes, packed_rows=args.packed,
                          attn_implementation=args.attn_implementation)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
@@ -601,7 +603,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     print("\n" + data_ram_line(args.streaming, args.dataloader_num_workers, args.block_size))
-    if args.method == "grpo":
+    if rows == "prompt":
         compute = 2 if mixed_precision == "bf16" else 4
         kv = kv_cache_bytes(shape, args.per_device_batch_size, args.block_size, compute)
         print(f"\nGRPO: sampling {args.per_device_batch_size} completions a rank (prompt and completion within "
@@ -609,7 +611,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
               "under grouped-query attention), in place of the training activations; the activations columns hold "
               "the larger of the two.")
     if num_machines > 1 or meshes:
-        sequences = args.per_device_batch_size * (2 if args.method in ("dpo", "simpo") else 1)  # a pair's two sequences
+        sequences = args.per_device_batch_size * (2 if rows == "preference" else 1)  # a pair's two sequences
         print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory,
                                     tokens=sequences * args.block_size))
     if reference_copy:

@@ -21,7 +21,7 @@ import yaml
 
 from finetune.data.fingerprint import INPUT_OPTIONS, absolute
 from finetune.errors import UsageError, not_a_file
-from finetune.objectives.rewards import absolute_reward
+from finetune.objectives.rewards import absolute_reward, is_user_code
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY, objective_of_option
 from finetune.tasks import REGISTRY
 
@@ -590,6 +590,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         if path and coerce(name, values.get(name, False)) and overrides.get(name) is not True:
             raise UsageError(f"{path} sets {name}, which {what}; it is taken only from the command line: pass "
                              f"--{name}{when.format(model=values.get('model', 'them'))}")
+    own_code = [spec for spec in values.get("reward_funcs") or [] if isinstance(spec, str) and is_user_code(spec)]
+    if path and own_code and "reward_funcs" not in overrides:
+        raise UsageError(f"{path} names reward functions of your own code ({' '.join(own_code)}), which run only when "
+                         f"the command line names them: pass --reward_funcs {' '.join(values['reward_funcs'])}")
     values.update(overrides)
     # Asked for on the command line: a run config file records every option, LoRA's defaults included.
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Auto classes)
-from finetune.config import DATA_OPTIONS, TrainConfig
+from finetune.config import DATA_OPTIONS, FORMAT_WORDS, TrainConfig
+from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.data.templates import check_chat_template
 from finetune.errors import UsageError
 from finetune.model_dir import read_run_data
@@ -89,9 +90,9 @@ def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_
     all of it, or with `held_out` on the part a run with these options held out."""
     recorded = read_run_data(model_dir)
     method = recorded.get("method", "sft")
-    if method != "sft" and "dataset" not in given:
-        held = "preference pairs" if method in ("dpo", "simpo") else "prompts without answers"
-        raise UsageError(f"{model_dir} was trained with --method {method}, whose held-out data ({held}) has no text "
+    held = OBJECTIVES[method].data_format if method in OBJECTIVES else None
+    if held and "dataset" not in given:
+        raise UsageError(f"{model_dir} was trained with --method {method}, whose held-out data ({FORMAT_WORDS[held]}) has no text "
                          "to score perplexity on; its held-out scores are in its run's summary.json (first_eval, "
                          "last_eval), or pass --dataset with text to score the model on")
     entry, model, tokenizer = load_model_dir(model_dir)

@@ -97,8 +97,8 @@ def _first_paragraph(doc: str) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
-def _questions() -> Iterator[dict]:
-    seen = set()
+def _public_definitions() -> Iterator[tuple[str, ast.ClassDef | ast.FunctionDef]]:
+    """(module, node) of every public module-level function and class of the public stdlib modules."""
     for path, source in _sources():
         module = _module_name(path)
         if module is None:
@@ -107,18 +107,25 @@ def _questions() -> Iterator[dict]:
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue
-        for node in tree.body:  # public module-level functions and classes
-            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node, clean=True)
-            answer = _first_paragraph(doc) if doc else ""
-            name = f"{module}.{node.name}"
-            if not MIN_ANSWER_CHARS <= len(answer) <= MAX_ANSWER_CHARS or name in seen:
-                continue
-            seen.add(name)
-            kind = "class" if isinstance(node, ast.ClassDef) else "function"
-            yield {"messages": [{"role": "user", "content": f"What does the Python {kind} `{name}` do?"},
-                                {"role": "assistant", "content": answer}]}
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
+                yield module, node
+
+
+def _questions() -> Iterator[dict]:
+    seen = set()
+    for module, node in _public_definitions():
+        doc = ast.get_docstring(node, clean=True)
+        answer = _first_paragraph(doc) if doc else ""
+        name = f"{module}.{node.name}"
+        if not MIN_ANSWER_CHARS <= len(answer) <= MAX_ANSWER_CHARS or name in seen:
+            continue
+        seen.add(name)
+        kind = "class" if isinstance(node, ast.ClassDef) else "function"
+        yield {"messages": [{"role": "user", "content": f"What does the Python {kind} `{name}` do?"},
+                            {"role": "assistant", "content": answer}]}
+
+
 
 
 def build_stdlib_questions() -> Path:
@@ -148,17 +155,8 @@ def _module_questions() -> Iterator[dict]:
     """Names defined at the top of exactly one public stdlib module, asked for
     that module: an answer a reward can check by string match."""
     homes: dict[str, set[str]] = {}
-    for path, source in _sources():
-        module = _module_name(path)
-        if module is None:
-            continue
-        try:
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_"):
-                homes.setdefault(node.name, set()).add(module)
+    for module, node in _public_definitions():
+        homes.setdefault(node.name, set()).add(module)
     for name, modules in sorted(homes.items()):
         if len(modules) == 1:
             module = next(iter(modules))

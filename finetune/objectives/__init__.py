@@ -46,13 +46,17 @@ def _positive(cfg, *names: str) -> None:
                              f"{getattr(type(cfg), name, 1)}")
 
 
+def _no_reference_model_under_adapters(cfg) -> None:
+    if cfg.reference_model and cfg.peft != "none":
+        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
+                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+
+
 def check_preference(cfg) -> None:
     _positive(cfg, "dpo_beta")
     if not math.isfinite(cfg.simpo_gamma):
         raise UsageError(f"--simpo_gamma must be a number, got {cfg.simpo_gamma}; pass e.g. 0.5")
-    if cfg.reference_model and cfg.peft != "none":
-        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
-                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+    _no_reference_model_under_adapters(cfg)
 
 
 GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's names and formulas
@@ -98,9 +102,7 @@ def check_grpo(cfg) -> None:
                          "--reward_funcs; give one weight per function, in the same order")
     if not all(math.isfinite(w) for w in cfg.reward_weights):
         raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
-    if cfg.reference_model and cfg.peft != "none":
-        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
-                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+    _no_reference_model_under_adapters(cfg)
 
 
 PREFERENCE_OPTIONS = ("dpo_beta", "max_prompt_length")

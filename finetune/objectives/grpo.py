@@ -30,7 +30,7 @@ from datasets import Dataset, DatasetDict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.backends.base import Backend
-from finetune.data.chat import EXAMPLE_NUMBER, load_chat_template, pad_id, well_formed_messages
+from finetune.data.chat import EXAMPLE_NUMBER, PadCollator, load_chat_template, pad_id, well_formed_messages
 from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
 from finetune.objectives.reference import WithReference, without_dropout
@@ -231,8 +231,11 @@ class GRPOLM(WithReference, CausalLM):
         model.train(was_training)
         batches = [self._completion_batch(b, ids) for b, ids in zip(prompt_batches, sampled)]
         per_function = torch.cat([b.pop("_rewards") for b in batches])
-        # Every rank's rewards: the batch std (scale_rewards=batch) and the metrics span them all.
-        everyone = acc.gather(per_function.to(acc.device)).cpu()
+        lengths = torch.cat([b["completion_length"] for b in batches]).cpu().float()
+        truncated = torch.cat([b["truncated"] for b in batches]).cpu().float()
+        # Every rank's rewards (the batch std, scale_rewards=batch, and the metrics span them all), in one collective.
+        gathered = acc.gather(torch.cat([per_function, lengths[:, None], truncated[:, None]], 1).to(acc.device)).cpu()
+        everyone = gathered[:, :len(self.rewards)]
         advantages = self.advantages(everyone)
         mine = slice(acc.process_index * len(per_function), (acc.process_index + 1) * len(per_function))
         start = 0
@@ -246,8 +249,9 @@ class GRPOLM(WithReference, CausalLM):
         if cfg.beta > 0:
             for batch in batches:
                 batch["reference_logps"] = self.with_reference(model, lambda scorer: self._token_logps(scorer, batch))
-        self.backend.after_evaluation(model)  # forwards without backward: FSDP2's root stays gathered
-        self.rollout_metrics = self._rollout_metrics(everyone, advantages, batches)
+        if cfg.num_iterations > 1 or cfg.beta > 0:
+            self.backend.after_evaluation(model)  # forwards without backward: FSDP2's root stays gathered
+        self.rollout_metrics = self._rollout_metrics(everyone, advantages, gathered[:, -2], gathered[:, -1].bool())
         if cfg.log_completions_every and number % cfg.log_completions_every == 0 and acc.is_main_process:
             self._log_completions(batches[0], per_function, advantages.advantages[mine], number)
         return batches
@@ -276,17 +280,8 @@ class GRPOLM(WithReference, CausalLM):
             sequences.append(prompt + completion)
             trained = not (cut and cfg.mask_truncated_completions)
             labels.append([IGNORE] * len(prompt) + (completion if trained else [IGNORE] * len(completion)))
-        width = max(len(s) for s in sequences)
-        batch = {"input_ids": torch.full((len(sequences), width), pad, dtype=torch.long),
-                 "labels": torch.full((len(sequences), width), IGNORE, dtype=torch.long),
-                 "position_ids": torch.zeros((len(sequences), width), dtype=torch.long),
-                 "attention_mask": torch.zeros((len(sequences), width), dtype=torch.long)}
-        for i, (sequence, label) in enumerate(zip(sequences, labels)):
-            n = len(sequence)
-            batch["input_ids"][i, :n] = torch.tensor(sequence)
-            batch["labels"][i, :n] = torch.tensor(label)
-            batch["position_ids"][i, :n] = torch.arange(n)
-            batch["attention_mask"][i, :n] = 1
+        batch = PadCollator(pad)([{"input_ids": seq, "labels": label, "position_ids": list(range(len(seq)))}
+                                  for seq, label in zip(sequences, labels)])
         batch["completion_length"] = torch.tensor([len(c) for c in kept])
         batch["truncated"] = torch.tensor(truncated)
         batch["row"] = torch.tensor(rows)
@@ -301,11 +296,9 @@ class GRPOLM(WithReference, CausalLM):
         columns = {k: [v[k] for v in values] for k in values[0] if k != "prompt"}
         return score(self.rewards, [v["prompt"] for v in values], completions, completion_ids, columns)
 
-    def _rollout_metrics(self, everyone: torch.Tensor, advantages: grpo_loss.Advantages,
-                         batches: list[dict]) -> dict[str, float]:
-        acc = self.accelerator
-        lengths = acc.gather(torch.cat([b["completion_length"] for b in batches])).float().cpu()
-        truncated = acc.gather(torch.cat([b["truncated"] for b in batches])).cpu()
+    def _rollout_metrics(self, everyone: torch.Tensor, advantages: grpo_loss.Advantages, lengths: torch.Tensor,
+                         truncated: torch.Tensor) -> dict[str, float]:
+        """Over every rank's completions: their rewards, lengths and truncation."""
         rewards = advantages.rewards
         metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(grpo_loss.nanstd(rewards)),
                    "frac_reward_zero_std": float(advantages.std_is_zero.float().mean())}
@@ -444,16 +437,15 @@ class RolloutBatches:
     def state_dict(self) -> dict:
         """The prompts' position, and the rollout still to be trained on (every
         rank's: a collective), so that a resume trains on the same samples."""
-        kept = [{k: v.tolist() for k, v in b.items()} for b in self.buffer] if self.uses_left else []
-        acc = self.task.accelerator
-        if acc.num_processes > 1:
-            everyone = [None] * acc.num_processes
-            torch.distributed.all_gather_object(everyone, kept)
-        else:
-            everyone = [kept]
+        everyone = []
+        if self.uses_left:
+            kept = [{k: v.tolist() for k, v in b.items()} for b in self.buffer]
+            everyone = [kept] * self.task.accelerator.num_processes
+            if len(everyone) > 1:
+                torch.distributed.all_gather_object(everyone, kept)
         return {**self.prompts.state_dict(),
                 "rollout": {"made": self.rollouts, "uses_left": self.uses_left, "metrics": self.task.rollout_metrics,
-                            "batches_per_rank": everyone if self.uses_left else []}}
+                            "batches_per_rank": everyone}}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state)
@@ -472,6 +464,10 @@ class RolloutBatches:
             raise UsageError(f"the checkpoint was written in the middle of a rollout by {len(per_rank)} rank(s); "
                              f"resume it on {len(per_rank)} (accelerate launch --num_processes {len(per_rank)}), or "
                              "from an earlier checkpoint")
-        self.buffer = [{k: torch.tensor(v, dtype=torch.float32 if k in FLOAT_KEYS else torch.long,
-                                        device=acc.device) for k, v in b.items()}
-                       for b in per_rank[acc.process_index]]
+        try:
+            self.buffer = [{k: torch.tensor(v, dtype=torch.float32 if k in FLOAT_KEYS else torch.long,
+                                            device=acc.device) for k, v in b.items()}
+                           for b in per_rank[acc.process_index]]
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            raise UsageError("the checkpoint's saved rollout is not one (its tensors do not load); the checkpoint is "
+                             "damaged, resume from an earlier one") from None

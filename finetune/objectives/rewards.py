@@ -76,7 +76,7 @@ class RewardFunction:
 
     @property
     def user_code(self) -> bool:
-        return self.spec not in BUILTIN_NAMES
+        return is_user_code(self.spec)
 
 
 def is_user_code(spec: str) -> bool:

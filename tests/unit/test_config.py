@@ -94,3 +94,15 @@ def test_source_weights_are_the_shares_as_written():
     cfg = TrainConfig(dataset=["a", "b", "c"], dataset_weights=[0.6, 0.3, 0.1])
     assert cfg.source_weights == [0.6, 0.3, 0.1]  # not 0.6000000000000001 in summary.json
     assert TrainConfig(dataset=["a", "b"], dataset_weights=[2, 6]).source_weights == [0.25, 0.75]
+
+
+def test_reward_code_is_taken_from_the_command_line_only(tmp_path):
+    """A config file may come from someone else: its own reward functions run only when the command line names
+    them; the built-ins need no such word."""
+    path = tmp_path / "run.yaml"
+    path.write_text("method: grpo\nreward_funcs: [evil.py:score, format]\n")
+    with pytest.raises(UsageError, match="run only when the command line names them: pass --reward_funcs evil.py"):
+        load_config(path, {})
+    assert load_config(path, {"reward_funcs": ["format"]}).reward_funcs == ["format"]
+    path.write_text("method: grpo\nreward_funcs: [format]\n")
+    assert load_config(path, {}).reward_funcs == ["format"]
