@@ -94,8 +94,8 @@ def no_checkpoint_message(run_dir: Path) -> str:
         return (f"{run_dir} finished with no checkpoint to continue from (--checkpoint_at_end false, or they were "
                 f"removed); train its final model further: --model {run_dir / 'final'} with a new --output_dir")
     return (f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from: the run stopped before its "
-            "first one; train it again with --overwrite (--resume_from_checkpoint auto starts fresh when there is "
-            "none)")
+            "first one; run its training command again (it starts afresh there; --resume_from_checkpoint auto "
+            "does the same when there is none)")
 
 
 def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:

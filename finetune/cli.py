@@ -45,7 +45,7 @@ OPTION_GROUPS = {
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
     "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
                           "precompute_reference"),
-    "online RL (--method grpo)": ("reward_funcs", "reward_weights", "reward_pattern", "num_generations",
+    "online RL (--method grpo)": ("reward_funcs", "reward_weights", "reward_pattern", "reward_timeout", "num_generations",
                                   "max_completion_length", "temperature", "top_p", "loss_type", "epsilon",
                                   "epsilon_high", "num_iterations", "scale_rewards", "mask_truncated_completions",
                                   "beta", "log_completions_every"),

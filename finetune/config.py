@@ -200,6 +200,8 @@ class TrainConfig:
                                        nargs="+")
     reward_pattern: str = _opt(r"^\S+$", "grpo: the regular expression the built-in format reward matches the whole "
                                "completion (stripped) against")
+    reward_timeout: float = _opt(600.0, "grpo: seconds one reward function may take on one micro-batch before the "
+                                 "run stops in one line, keeping its last checkpoint (0: no limit)")
     num_generations: int = _opt(8, "grpo: completions sampled per prompt (a group); --per_device_batch_size counts "
                                 "completions and must be a multiple of it")
     max_completion_length: int = _opt(64, "grpo: most tokens sampled per completion (TRL's default is 512, too long "

@@ -84,16 +84,8 @@ class RunLock:
         return holder
 
 
-def remove_new_run_dir(run_dir: Path, new_parents: list[Path]) -> None:
-    """Removes a run dir this process created and gave up before the run wrote
-    its record (bad input), under its lock taken again: never while another
-    process holds it, so nothing another run put there is removed. Then the
-    parents made for it, nearest first, while they are empty."""
-    lock = run_dir / LOCK_FILE
-    try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except OSError:
-        return  # another run took the dir (or it is gone): it stays as it is
+def empty_run_dir(run_dir: Path) -> None:
+    """Removes everything in a run dir but its lock, which the caller holds."""
     for entry in run_dir.iterdir():
         if entry.name == LOCK_FILE:
             continue
@@ -101,7 +93,24 @@ def remove_new_run_dir(run_dir: Path, new_parents: list[Path]) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
+
+
+def remove_new_run_dir(run_dir: Path, new_parents: list[Path], keep_dir: bool = False) -> None:
+    """Removes what a run wrote into a run dir that held nothing to keep
+    (`run_dir.starts_afresh`) when it failed before its first checkpoint, under
+    its lock taken again: never while another process holds it, so nothing
+    another run put there is removed. Then the dir itself unless `keep_dir`
+    (it was there before), and the parents made for it, nearest first, while
+    they are empty."""
+    lock = run_dir / LOCK_FILE
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except OSError:
+        return  # another run took the dir (or it is gone): it stays as it is
+    empty_run_dir(run_dir)
     lock.unlink(missing_ok=True)
+    if keep_dir:
+        return
     for made in (run_dir, *new_parents):
         try:
             made.rmdir()

@@ -29,11 +29,36 @@ def check_run_dir(cfg: TrainConfig) -> None:
         kind = "directory" if link.is_dir() else "file"
         raise UsageError(f"{link} is a symbolic link (to {os.readlink(link)}); a run never writes or removes through "
                          f"a link in its run dir: put the real {kind} there, or choose another --output_dir")
-    if cfg.resume_from_checkpoint or cfg.overwrite:
+    if cfg.resume_from_checkpoint or cfg.overwrite or failed_start(run_dir):
         return
     if (run_dir / "run_config.yaml").exists() or (run_dir / "checkpoints").exists():
         raise UsageError(f"{run_dir} already holds a run; resume it with `finetune resume {run_dir}`, "
                          "pass --overwrite, or choose another --output_dir")
+
+
+# What a run writes only once it has trained: a (complete) checkpoint, its final model, its summary.
+RESULTS = ("checkpoints", "final", "summary.json")
+
+
+def failed_start(run_dir: Path) -> bool:
+    """A run dir whose run started writing (its run_config.yaml) but left
+    nothing to continue from or keep: it failed (or was killed) before its first
+    checkpoint. It is not in the way of a new run there, which starts it afresh
+    (`RunLock` still refuses a live one)."""
+    return (run_dir / "run_config.yaml").is_file() and not has_results(run_dir)
+
+
+def has_results(run_dir: Path) -> bool:
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.startswith("step_") and p.name[5:].isdigit() for p in checkpoints.iterdir()):
+        return True
+    return any((run_dir / name).exists() for name in RESULTS[1:])
+
+
+def starts_afresh(run_dir: Path) -> bool:
+    """Nothing in the run dir is worth keeping if this run fails before its
+    first checkpoint: it does not exist yet, is empty, or holds a failed start."""
+    return not run_dir.exists() or not any(run_dir.iterdir()) or failed_start(run_dir)
 
 
 # What the trackers keep in a run dir, with links of their own (wandb's latest-run): finetune never writes there.

@@ -26,6 +26,18 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_GRACE_S = 2.0
 
 
+_ACTIVE: list["StopSignals"] = []  # the run's, while it is entered
+
+
+def stop_requested(longer_than_s: float = 0.0) -> str | None:
+    """The signal's name when a stop was asked for more than `longer_than_s`
+    ago: what waits on user code (a reward function) gives up then."""
+    for stop in _ACTIVE:
+        if stop.received is not None and time.monotonic() - stop._received_at > longer_than_s:
+            return stop.name()
+    return None
+
+
 class StopSignals:
     def __init__(self):
         self.received: int | None = None
@@ -36,9 +48,11 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # signals can only be caught there
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

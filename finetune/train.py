@@ -45,12 +45,14 @@ from finetune.hardware import slow_bf16_warning
 from finetune.host_memory import HostMemory, resident_bytes
 from finetune.launch import record as launch_record
 from finetune.liveness import Heartbeats, is_collective_timeout
-from finetune.lock import RunLock, remove_new_run_dir
+from finetune.lock import RunLock, empty_run_dir, remove_new_run_dir
 from finetune.final_model import write_final_model
 from finetune.model_card import RunRecord, write_model_card
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
+from finetune.signals import NoSignalWatch
+from finetune.run_dir import failed_start, has_results, starts_afresh
 from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
@@ -88,6 +90,7 @@ class Run:
     plain_logs: bool = False                                      # a line per logged step instead of a bar
     cpu_threads: int = 1                                          # torch's threads in each process
     bar: tqdm = field(default_factory=lambda: tqdm(disable=True))  # fit() shows the real one
+    watch: NoSignalWatch = field(default_factory=lambda: NoSignalWatch([]))  # fit() sets the task's checks
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(0, Path(), 0))
 
     @property
@@ -127,7 +130,8 @@ def train(cfg: TrainConfig) -> dict:
     task = build_task(cfg)
     task.method.check_supported_here()
     run_dir = Path(cfg.output_dir)
-    fresh_run_dir = not run_dir.exists()
+    new_dir = not run_dir.exists()
+    afresh = not cfg.resume_from_checkpoint and starts_afresh(run_dir)
     new_parents = [p for p in run_dir.absolute().parents if not p.exists()]  # made with the run dir
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
@@ -138,16 +142,18 @@ def train(cfg: TrainConfig) -> dict:
     lock = RunLock(run_dir, accelerator)
     try:
         with lock, StopSignals() as stop:
+            if afresh and accelerator.is_main_process and failed_start(run_dir):
+                accelerator.print(f"note: {run_dir} holds a run that failed before its first checkpoint: starting it afresh")
+                empty_run_dir(run_dir)
             return run_to_the_end(setup_run(cfg, task, accelerator, backend, stop, heartbeats, host))
-    except RuntimeError as e:
-        if is_collective_timeout(e):
+    except BaseException as e:
+        # Whatever fails before the first checkpoint (bad input, a reward, the
+        # first forward) leaves nothing in the way of the same command again:
+        # only a dir that held nothing to keep, and that this run locked.
+        if afresh and lock.taken and accelerator.is_main_process and not has_results(run_dir):
+            remove_new_run_dir(run_dir, new_parents, keep_dir=not new_dir)
+        if isinstance(e, RuntimeError) and is_collective_timeout(e):
             raise heartbeats.lost(e) from None
-        raise
-    except UsageError:
-        # Bad input found before the run started writing (run_config.yaml comes
-        # first) leaves no half-made run dir behind: only a dir this run made and locked.
-        if fresh_run_dir and lock.taken and accelerator.is_main_process and not (run_dir / "run_config.yaml").exists():
-            remove_new_run_dir(run_dir, new_parents)
         raise
     finally:
         # Free the wrapped model while the process group is alive: a DDP reducer
@@ -326,6 +332,7 @@ def trainable_params(model: torch.nn.Module) -> int:
 
 def fit(run: Run) -> None:
     run.model.train()  # from_pretrained returns a model in eval mode: dropout off
+    run.watch = NoSignalWatch(run.task.no_signal_checks())
     start = time.perf_counter()
     with tqdm(total=run.total_steps, initial=run.progress.step, desc="training", dynamic_ncols=True,
               disable=run.plain_logs or not run.accelerator.is_main_process) as run.bar, \
@@ -410,6 +417,8 @@ def after_step(run: Run, result: StepResult) -> None:
         run.log(row)
         if run.plain_logs:
             say(run.accelerator, step_line(row, run.total_steps, run.task.throughput_key))
+    for warning in run.watch.lines(progress.step, {"grad_norm": result.grad_norm, **result.metrics}):
+        say(run.accelerator, warning)
     run.profiler.step()
     run.bar.update(1)
     run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{result.lr:.2e}", **{run.task.throughput_key: f"{throughput:,.0f}"})

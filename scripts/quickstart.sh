@@ -40,3 +40,8 @@ accelerate launch "${launch[@]}" -m finetune train \
     --max_eval_samples 48 --checkpoint_every 12 --keep_last 1 \
     --sample_prompt "$question" \
     --output_dir "$run_dir" "$@"
+
+# The commands of the README and the docs run in this venv: a new shell has to enter it first.
+venv_bin="$(dirname "$(command -v python)")"
+if [ "$venv_bin" = "$REPO/.venv/bin" ]; then activate="source .venv/bin/activate"; else activate="source $venv_bin/activate"; fi
+echo "[quickstart] done; to run the README's other commands in a new shell, first: $activate"

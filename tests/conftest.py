@@ -435,10 +435,14 @@ def how_docs_check(command: str, later: list[str], work: Path) -> str:
     - "parse": parsed by its program's own parser: a second machine, a
       benchmark, an lm-eval score of a model made elsewhere;
     - "script" / "pip" / "mkdocs": the script exists / the extras exist / a
-      MkDocs command (the site is built by test_docs)."""
+      MkDocs command (the site is built by test_docs);
+    - "shell": a line that sets up the user's shell (`source .venv/bin/activate`):
+      every later command runs after it, as in the user's terminal."""
     words = command.split()
     if words[0] == "bash":
         return "script"
+    if words[0] == "source":
+        return "shell"
     if words[:2] == ["pip", "install"]:
         return "pip"
     if words[0] == "mkdocs":
@@ -517,7 +521,12 @@ def run_docs_commands(work: Path, env: dict) -> None:
     from contextlib import chdir
 
     (work / "accelerate_configs").symlink_to(CONFIGS)
-    shell_env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', os.environ['PATH'])}"}
+    # The venv the README's set-up scripts make (the suite's own stands in for
+    # it: test_quickstart runs the quickstart itself), in a new shell that has
+    # not entered it: only the README's own words (`source ...`) find its commands.
+    (work / ".venv").symlink_to(sys.prefix)
+    shell_env = new_shell_env(env)
+    prelude: list[str] = []
     commands = docs_commands()
     for i, command in enumerate(commands):
         how = how_docs_check(command, commands[i + 1:], work)
@@ -527,12 +536,18 @@ def run_docs_commands(work: Path, env: dict) -> None:
         if how in ("script", "pip", "mkdocs", "parse"):
             check_as_parsed(how, command, words)
             continue
+        if how == "shell":
+            prelude.append(command)
+            continue
+        in_shell = ["bash", "-c", "\n".join([*prelude, "set -e"]) + "\n"]
         if how == "dry_run" or words[:2] == ["accelerate", "launch"]:
+            assert prelude, f"{command!r} comes before the README says how a new shell finds its commands"
             launched = command.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
             launched += " --dry_run" if how == "dry_run" and "--dry_run" not in words else ""
             # QLoRA's options and paths are checked on CPU as the tests run QLoRA here.
             extra = {"FINETUNE_QLORA_ON_CPU": "1"} if "--peft qlora" in command else {}
-            proc = subprocess.run(["bash", "-c", launched], env={**shell_env, **extra}, cwd=work, capture_output=True,
+            in_shell[-1] += launched
+            proc = subprocess.run(in_shell, env={**shell_env, **extra}, cwd=work, capture_output=True,
                                   text=True, timeout=300)
             if how == "dry_run":
                 assert proc.returncode == 0 and "dry run: " in proc.stdout, (command, proc.stderr[-3000:])
@@ -543,11 +558,20 @@ def run_docs_commands(work: Path, env: dict) -> None:
             with chdir(work):
                 proc = run_in_process(*words[1:])
         else:  # python -c, grep, a command substitution: through the shell, as typed
-            proc = subprocess.run(["bash", "-c", command], env=shell_env, cwd=work, capture_output=True, text=True,
-                                  timeout=300)
+            in_shell[-1] += command
+            proc = subprocess.run(in_shell, env=shell_env, cwd=work, capture_output=True, text=True, timeout=300)
         check_ok(proc)
         with (work / "commands.log").open("a") as log:
             log.write(f"$ {command}\n{proc.stdout}\n")
+
+
+def new_shell_env(env: dict) -> dict:
+    """`env` as a new shell has it: no virtual environment entered, none of
+    the suite's on PATH."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = [d for d in env.get("PATH", os.defpath).split(os.pathsep) if d and d != venv_bin]
+    return {**{k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")},
+            "PATH": os.pathsep.join(path)}
 
 
 def check_as_parsed(how: str, command: str, words: list[str]) -> None:

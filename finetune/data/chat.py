@@ -33,7 +33,9 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.templates import check_chat_template
+from finetune.config import FORMAT_WORDS
 from finetune.errors import UsageError, not_a_file
+from finetune.objectives import REGISTRY as OBJECTIVE_REGISTRY
 
 IGNORE = -100
 # The columns that name each format, in the order detection tries them.
@@ -62,6 +64,12 @@ def detect_format(columns: list[str], requested: str, text_column: str, dataset:
                          "columns")
     needed = FORMAT_COLUMNS.get(requested, (text_column,))
     missing = [c for c in needed if c not in columns]
+    if missing and (owners := [e.name for e in OBJECTIVE_REGISTRY.values() if e.data_format == requested]):
+        example = {"preference": '{"prompt": ..., "chosen": ..., "rejected": ...}',
+                   "prompt": '{"prompt": ...} (a string, or messages)'}.get(requested, "")
+        raise UsageError(f"--method {'/'.join(owners)} trains on {FORMAT_WORDS[requested]}, and --dataset {dataset} "
+                         f"has no column(s) {', '.join(missing)} (columns: {have}); give each row "
+                         f"{example or ', '.join(needed)}, renaming the columns, or train on it with --method sft")
     if missing:
         try:
             fix = f"pass --data_format {detect_format(columns, 'auto', text_column, dataset)}"

@@ -94,6 +94,15 @@ def check_grpo(cfg) -> None:
     if cfg.scale_rewards not in SCALE_REWARDS:
         raise UsageError(f"--scale_rewards {cfg.scale_rewards!r} is not supported; choose one of "
                          f"{', '.join(SCALE_REWARDS)}")
+    if not (cfg.reward_timeout >= 0 and math.isfinite(cfg.reward_timeout)):
+        raise UsageError(f"--reward_timeout must be >= 0 seconds (0: no limit), got {cfg.reward_timeout}; pass e.g. 600")
+    if cfg.reward_timeout and cfg.reward_timeout >= cfg.ddp_timeout:
+        raise UsageError(f"--reward_timeout {cfg.reward_timeout:g} is not below --ddp_timeout {cfg.ddp_timeout}: the "
+                         "other ranks would give up on a slow reward first, without naming it; lower "
+                         "--reward_timeout or raise --ddp_timeout")
+    if cfg.beta == 0 and cfg.reference_model:
+        raise UsageError(f"--reference_model {cfg.reference_model} is read only for the KL term, and --beta is 0 "
+                         "(no KL term, TRL's default); pass --beta > 0 (e.g. 0.04), or drop --reference_model")
     if not cfg.reward_funcs:
         raise UsageError("--method grpo needs --reward_funcs: a FILE.py:NAME or module:NAME of yours, or a built-in "
                          "(exact_match, format, length_penalty); see docs/grpo.md")
@@ -106,7 +115,7 @@ def check_grpo(cfg) -> None:
 
 
 PREFERENCE_OPTIONS = ("dpo_beta", "max_prompt_length")
-GRPO_OPTIONS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+GRPO_OPTIONS = ("reward_funcs", "reward_weights", "reward_timeout", "num_generations", "max_completion_length", "temperature", "top_p",
                 "loss_type", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
                 "mask_truncated_completions", "beta", "log_completions_every", "reward_pattern")
 

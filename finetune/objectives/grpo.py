@@ -32,6 +32,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from finetune.backends.base import Backend
 from finetune.data.chat import EXAMPLE_NUMBER, PadCollator, load_chat_template, pad_id, well_formed_messages
 from finetune.errors import UsageError
+from finetune.report import say
+from finetune.signals import NoSignal
 from finetune.objectives import grpo_loss
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
@@ -114,6 +116,7 @@ class GRPOLM(WithReference, CausalLM):
         self.backend: Backend | None = None
         self.run_dir: Path | None = None
         self.rollout_metrics: dict[str, float] = {}  # of the rollout the step trained on
+        self.warned_unscored = False  # the warning that no completion got a reward, said once
 
     @property
     def needs_reference(self) -> bool:
@@ -154,7 +157,7 @@ class GRPOLM(WithReference, CausalLM):
 
     def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
         cfg = self.cfg
-        raw, found = super()._raw_data("prompt" if cfg.dataset == "builtin" else cfg.data_format)
+        raw, found = super()._raw_data("prompt")  # its own format, whatever the columns: its own error
         if found != "prompt":
             raise UsageError(f"--method grpo samples completions of prompts (a prompt column), and --dataset "
                              f"{cfg.dataset} holds {found} data; give it a prompt column (a string or messages)")
@@ -236,6 +239,12 @@ class GRPOLM(WithReference, CausalLM):
         # Every rank's rewards (the batch std, scale_rewards=batch, and the metrics span them all), in one collective.
         gathered = acc.gather(torch.cat([per_function, lengths[:, None], truncated[:, None]], 1).to(acc.device)).cpu()
         everyone = gathered[:, :len(self.rewards)]
+        if torch.isnan(everyone).all() and not self.warned_unscored:
+            self.warned_unscored = True
+            say(acc, f"warning: every reward function ({', '.join(r.name for r in self.rewards)}) returned None for "
+                     f"every completion of rollout {number}: none is scored, every advantage is 0 and nothing is "
+                     "learned; None means 'does not apply': check that the functions apply to this data (the "
+                     f"columns they get: {', '.join(sorted(self.rows[0])) if self.rows else 'none'})")
         advantages = self.advantages(everyone)
         mine = slice(acc.process_index * len(per_function), (acc.process_index + 1) * len(per_function))
         start = 0
@@ -294,7 +303,8 @@ class GRPOLM(WithReference, CausalLM):
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         values = [self.rows[r] for r in rows]
         columns = {k: [v[k] for v in values] for k in values[0] if k != "prompt"}
-        return score(self.rewards, [v["prompt"] for v in values], completions, completion_ids, columns)
+        return score(self.rewards, [v["prompt"] for v in values], completions, completion_ids, columns,
+                     self.cfg.reward_timeout)
 
     def _rollout_metrics(self, everyone: torch.Tensor, advantages: grpo_loss.Advantages, lengths: torch.Tensor,
                          truncated: torch.Tensor) -> dict[str, float]:
@@ -339,6 +349,13 @@ class GRPOLM(WithReference, CausalLM):
             return -full_logits_nll(model(**model_inputs(model, batch)).logits, targets)
 
     # --- loss -------------------------------------------------------------------------------------
+
+    def no_signal_checks(self) -> list[NoSignal]:
+        return [*super().no_signal_checks(), NoSignal(
+            "frac_reward_zero_std", lambda v: v >= 1.0, 5,
+            "every group's completions got the same reward, so every advantage is 0 and nothing is learned; check "
+            "the reward functions on the completions in completions.jsonl (they may be too hard or too easy for "
+            "this model), or raise --num_generations or --temperature for more varied completions")]
 
     def targets(self, batch: dict) -> float:
         mask = next_token_targets(batch["labels"]) != IGNORE

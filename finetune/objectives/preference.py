@@ -30,6 +30,7 @@ from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
 from finetune.objectives.preference_loss import METRICS, PairLogps, PairLosses, preference_loss
 from finetune.report import plain_logs
+from finetune.signals import NoSignal
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
@@ -47,6 +48,13 @@ class PreferenceLM(WithReference, CausalLM):
         self.splits: list = []                                  # the pair splits, numbered across (`pair`)
         self.reference_table: torch.Tensor | None = None        # [pairs, 2] precomputed reference log-probs
         self.cached_table: Path | None = None                    # where they are cached
+
+    def no_signal_checks(self) -> list[NoSignal]:
+        return [*super().no_signal_checks(), NoSignal(
+            "rewards/accuracies", lambda v: v >= 1.0, 5,
+            "every pair is ranked right from the start, so the pairs teach the model little; check that "
+            "the rejected answers are not trivially told apart (empty, cut short, one fixed text, always shorter) "
+            "and that the reference is the model you start from", from_first_step=True)]
 
     def targets(self, batch: dict) -> int:
         return len(batch["input_ids"]) // 2  # pairs
@@ -87,7 +95,7 @@ class PreferenceLM(WithReference, CausalLM):
     def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
         cfg = self.cfg
         # The embedded default has a set of pairs; other data must turn out to be pairs.
-        raw, found = super()._raw_data("preference" if cfg.dataset == "builtin" else cfg.data_format)
+        raw, found = super()._raw_data("preference")  # its own format, whatever the columns: its own error
         if found != "preference":
             raise UsageError(f"--method {cfg.method} trains on preference pairs (chosen and rejected columns), and "
                              f"--dataset {cfg.dataset} holds {found} data; give it chosen/rejected (and prompt) "

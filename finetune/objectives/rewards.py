@@ -15,16 +15,23 @@ pattern, the length.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import importlib
 import importlib.util
+import inspect
 import math
+import numbers
 import re
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from finetune.errors import UsageError, not_a_file
+from finetune.stopping import stop_requested
 
 BUILTIN_NAMES = ("exact_match", "format", "length_penalty")
 
@@ -170,20 +177,22 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
+# A reward beyond this overflows the float32 sums of a group's mean and std.
+LARGEST_REWARD = 1e30
+
+
 def score(functions: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list]) -> list[list[float]]:
-    """[completion][function] rewards, NaN where a function returned None;
-    a function that raises or returns something else stops the run in one line."""
+          columns: dict[str, list], timeout_s: float = 0.0) -> list[list[float]]:
+    """[completion][function] rewards, NaN where a function returned None.
+    Each function gets its own copies of the inputs (what it changes in them
+    reaches neither the next function nor completions.jsonl); one that raises,
+    exits, hangs past `timeout_s` (0: no limit) or returns something else stops
+    the run in one line."""
     table = [[math.nan] * len(functions) for _ in completions]
     for j, reward in enumerate(functions):
-        try:
-            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except UsageError:
-            raise
-        except Exception as e:  # noqa: BLE001  (the user's code)
-            raise UsageError(f"reward function {reward.spec} raised {type(e).__name__}: {_first_line(e)}; fix it "
-                             "(it is called with prompts, completions, completion_ids and the data's other columns "
-                             "as keyword arguments)") from None
+        inputs = copy.deepcopy({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                                **columns})
+        values = _call(reward, inputs, timeout_s)
         if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
             raise UsageError(f"reward function {reward.spec} returned a {type(values).__name__}, not a list of "
                              f"numbers; return one float (or None) per completion")
@@ -192,10 +201,75 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, com
             raise UsageError(f"reward function {reward.spec} returned {len(values)} rewards for {len(completions)} "
                              "completions; return one float (or None) per completion")
         for i, value in enumerate(values):
-            if value is None:
-                continue
-            if not isinstance(value, (int, float)) or not math.isfinite(value):  # bools count as 0/1
-                raise UsageError(f"reward function {reward.spec} returned {value!r} for completion {i}; rewards must "
-                                 "be finite numbers (or None where the function does not apply)")
-            table[i][j] = float(value)
+            if value is not None:
+                table[i][j] = _reward_value(value, reward.spec, i)
     return table
+
+
+def _reward_value(value: Any, spec: str, i: int) -> float:
+    """A reward as a float: Python, numpy and 0-d torch numbers (bools count as 0/1)."""
+    if not isinstance(value, numbers.Real) and hasattr(value, "item") and tuple(getattr(value, "shape", (1,))) == ():
+        value = value.item()  # a numpy scalar or 0-d array, a 0-d tensor
+    if not isinstance(value, numbers.Real):
+        raise UsageError(f"reward function {spec} returned {value!r} for completion {i}; rewards must be finite "
+                         "numbers (or None where the function does not apply)")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > LARGEST_REWARD:
+        shown = f"{value!r}" if len(repr(value)) < 40 else f"a number of {len(str(value))} digits"
+        raise UsageError(f"reward function {spec} returned {shown} for completion {i}; rewards must be finite "
+                         f"numbers within +-{LARGEST_REWARD:g} (scale them down), or None where the function does "
+                         "not apply")
+    return number
+
+
+def _call(reward: RewardFunction, inputs: dict, timeout_s: float) -> Any:
+    """The function's return value (awaited, for an `async def`), called in a
+    thread of its own so that a call that never returns ends the run in one
+    line after `timeout_s`, or soon after a stop signal."""
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            values = reward.function(**inputs)
+            if inspect.isawaitable(values):
+                values = asyncio.run(_awaited(values))
+            outcome["values"] = values
+        except BaseException as e:  # noqa: BLE001  (the user's code: sys.exit and all)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name=f"reward {reward.name}", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        waited = time.monotonic() - started
+        if thread.is_alive() and timeout_s and waited > timeout_s:
+            raise UsageError(f"reward function {reward.spec} did not return within {timeout_s:g} s "
+                             "(--reward_timeout); the last complete checkpoint is kept: fix the function (or raise "
+                             "--reward_timeout), then resume")
+        if thread.is_alive() and (signal_name := stop_requested(longer_than_s=STOP_GRACE_S)):
+            raise UsageError(f"{signal_name} arrived while reward function {reward.spec} was running "
+                             f"({waited:.0f} s so far); stopped without a new checkpoint (the last complete one "
+                             "is kept)")
+    if "error" in outcome:
+        e = outcome["error"]
+        if isinstance(e, UsageError):
+            raise e
+        if isinstance(e, SystemExit):
+            raise UsageError(f"reward function {reward.spec} called sys.exit({e.code!r}); a reward function "
+                             "cannot end the run: return its rewards, or raise an exception with a message") from None
+        raise UsageError(f"reward function {reward.spec} raised {type(e).__name__}: {_first_line(e)}; fix it "
+                         "(it is called with prompts, completions, completion_ids and the data's other columns "
+                         "as keyword arguments)") from None
+    return outcome["values"]
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+# A reward still running this long after a stop signal is not waited for.
+STOP_GRACE_S = 10.0

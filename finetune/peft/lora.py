@@ -51,8 +51,9 @@ def require_peft(method: str) -> None:
     try:
         import peft  # noqa: F401
     except ImportError:
-        raise UsageError(f"--peft {method} needs the peft package: pip install 'finetune[{method}]' "
-                         "(or pip install peft)") from None
+        install = "pip install 'finetune[qlora]'" if method == "qlora" else "pip install 'peft>=0.13'"
+        raise UsageError(f"--peft {method} needs the peft package, which finetune depends on and this environment "
+                         f"lacks: {install}") from None
 
 
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str):

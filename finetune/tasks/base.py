@@ -21,6 +21,7 @@ from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.peft import method_for
+from finetune.signals import NoSignal, zero_gradient
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 
 if TYPE_CHECKING:
@@ -107,6 +108,10 @@ class Task:
     def step_means(self, sums: dict[str, float], count: float) -> dict[str, float]:
         """A step's `step_metrics` from their sums over the global batch and its number of targets."""
         return {name: value / max(count, 1) for name, value in sums.items()}
+
+    def no_signal_checks(self) -> list[NoSignal]:
+        """What says, step after step, that the run trains without learning (see signals.py)."""
+        return [zero_gradient()]
 
     def frozen_reference(self) -> str | None:
         """The model a frozen copy the run compares with is read from (its

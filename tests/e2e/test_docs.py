@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, doc_pages, docs_commands, free_port
+from conftest import REPO, check_ok, doc_pages, docs_commands, free_port, new_shell_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,23 @@ def test_the_docs_hold_the_commands_this_test_runs():
     assert {c.split()[1] for c in commands if c.startswith("finetune ")} == {"resume", "export", "generate", "evaluate",
                                                                             "estimate-memory", "configs"}
     assert len(REPO.joinpath("README.md").read_text().splitlines()) <= 250  # the front door stays short
+
+
+def test_a_new_shell_finds_the_commands_only_after_the_readme_says_how(tmp_path, env):
+    """The README's commands after the quickstart, typed into a new shell: only
+    the README's own `source` line (which it names right after the quickstart)
+    puts `accelerate` and `finetune` on its PATH."""
+    readme = (REPO / "README.md").read_text()
+    source = next(c for c in docs_commands() if c.startswith("source "))
+    assert readme.index(source) < readme.index("accelerate launch")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    find = "command -v accelerate && command -v finetune"
+    shell = new_shell_env(env)
+    bare = subprocess.run(["bash", "-c", find], env=shell, cwd=tmp_path, capture_output=True, text=True)
+    entered = subprocess.run(["bash", "-c", f"{source}\n{find}"], env=shell, cwd=tmp_path, capture_output=True,
+                             text=True)
+    assert bare.returncode != 0 or str(Path(sys.prefix)) not in bare.stdout, bare.stdout
+    assert entered.returncode == 0 and entered.stdout.count(str(Path(sys.prefix) / "bin")) == 2, entered
 
 
 def test_every_page_is_in_the_site_and_every_example_writes_under_outputs():

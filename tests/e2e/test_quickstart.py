@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, run_in_process
+from conftest import REPO, check_ok, new_shell_env, run_in_process
 from unit.test_gguf_export import assert_same_next_tokens_beyond_ties
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     proc = subprocess.run(["bash", "scripts/quickstart.sh", "--max_steps", "3", "--max_train_samples", "48",
                            "--max_eval_samples", "8", "--checkpoint_every", "0", "--checkpoint_at_end", "false",
                            "--output_dir", str(run_dir)],
-                          cwd=REPO, env={**env, "FINETUNE_CACHE": str(cache), "FINETUNE_VENV": sys.prefix},
+                          cwd=REPO, env={**new_shell_env(env), "FINETUNE_CACHE": str(cache), "FINETUNE_VENV": sys.prefix},
                           capture_output=True, text=True, timeout=900)
     check_ok(proc)
     out = proc.stdout
@@ -52,6 +52,8 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     before, after = map(float, re.search(r"validation perplexity: ([\d.]+) -> ([\d.]+)", out).groups())
     assert after < before
     assert re.search(r"fine-tuned model's answer to 'What does the Python .*': '\S", out.split("validation perplexity")[1]), out
+    # From a new shell (no venv entered): the line that enters the venv for the README's later commands.
+    assert f"first: source {sys.prefix}/bin/activate" in out.splitlines()[-1]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2 and summary["data_format"] == "chat"
