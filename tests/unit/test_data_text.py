@@ -7,7 +7,7 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from finetune.data.text import load_raw_text, tokenize_and_group
+from finetune.data.text import load_raw_data, load_raw_text, tokenize_and_group
 from finetune.data.tokenizer import train_bpe_tokenizer
 from finetune.errors import UsageError
 
@@ -79,3 +79,16 @@ def test_empty_data_file_is_a_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UsageError, match="is empty"):
         load_raw_text(str(tmp_path / "empty.txt"), "text", 0.1, 0)
+
+
+def test_each_objective_names_its_own_format_when_the_columns_are_missing(tmp_path):
+    """GRPO's prompts and DPO's pairs, read from data with other columns: the
+    error names the objective's format and columns, never SFT's --text_column."""
+    (tmp_path / "qa.jsonl").write_text('{"question": "q", "answer": "a"}\n' * 4)
+    for data_format, says in (("prompt", r"--method grpo trains on prompts alone .* no column\(s\) prompt "
+                                         r"\(columns: question, answer\); give each row \{\"prompt\""),
+                              ("preference", r"--method dpo/simpo trains on preference pairs .* no column\(s\) "
+                                             r"chosen, rejected")):
+        with pytest.raises(UsageError, match=says) as caught:
+            load_raw_data(str(tmp_path / "qa.jsonl"), data_format, "text", 0.25, 0)
+        assert "--text_column" not in str(caught.value)

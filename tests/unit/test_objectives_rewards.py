@@ -51,3 +51,79 @@ def test_what_can_be_said_before_anything_is_imported(tmp_path, monkeypatch):
     assert absolute_reward("r.py:f") == f"{tmp_path}/r.py:f" and absolute_reward("exact_match") == "exact_match"
     with pytest.raises(UsageError, match="names f twice"):
         load_reward_functions(["r.py:f", "other.py:f"], "", 8)
+
+
+def _functions(tmp_path, body: str, name: str = "r") -> list:
+    """A user's reward file holding `body` (its imports and functions), loaded as --reward_funcs FILE.py:NAME."""
+    path = tmp_path / f"{name}_{abs(hash(body))}.py"
+    path.write_text(body)
+    return load_reward_functions([f"{path}:{name}"], "", 8)
+
+
+def test_a_function_gets_copies_and_its_count_is_held_against_what_was_sent(tmp_path):
+    """A reward that pops a completion, clears its list or edits the prompts
+    changes nothing the run keeps, and is held to one reward per completion sent."""
+    mutating = _functions(tmp_path, "def r(prompts, completions, completion_ids, **kw):\n"
+                                    "    prompts[0] = 'edited'; completion_ids[0].clear()\n"
+                                    "    out = [1.0] * len(completions); completions.pop(); return out[:len(completions)]\n")
+    prompts, completions, ids = ["p", "q"], ["a", "b"], [[1, 2], [3]]
+    with pytest.raises(UsageError, match="returned 1 rewards for 2 completions"):
+        score(mutating, prompts, completions, ids, {})
+    assert (prompts, completions, ids) == (["p", "q"], ["a", "b"], [[1, 2], [3]])
+    clearing = _functions(tmp_path, "def r(prompts, completions, completion_ids, answer, **kw):\n"
+                                    "    n = len(completions); answer.clear(); completions.clear(); return [0.5] * n\n")
+    columns = {"answer": ["x", "y"]}
+    assert score(clearing, prompts, completions, ids, columns) == [[0.5], [0.5]] and columns == {"answer": ["x", "y"]}
+
+
+def test_numpy_and_0d_torch_numbers_count_and_what_does_not_fit_a_float32_is_refused(tmp_path):
+    import numpy as np
+    import torch
+
+    kinds = _functions(tmp_path, "import numpy as np, torch\n"
+                                 "def r(prompts, completions, completion_ids, **kw):\n"
+                                 "    return [np.float32(0.5), np.int64(2), torch.tensor(1.5), np.bool_(True), np.array(3.0)]\n")
+    assert score(kinds, ["p"] * 5, ["c"] * 5, [[1]] * 5, {}) == [[0.5], [2.0], [1.5], [1.0], [3.0]]
+    assert score(_functions(tmp_path, "import numpy as np\ndef r(prompts, completions, completion_ids, **kw):\n"
+                                      "    return np.array([1.0, 0.0])\n"), ["p"] * 2, ["c"] * 2, [[1]] * 2, {}) \
+        == [[1.0], [0.0]]
+    for value, says in (("1e308", "within"), ("10 ** 400", "a number of 401 digits"), ("float('nan')", "finite"),
+                        ("torch.tensor([1.0])", "finite numbers"), ("'1.0'", "finite numbers")):
+        bad = _functions(tmp_path, f"import torch\ndef r(prompts, completions, completion_ids, **kw):\n"
+                                   f"    return [{value}]\n")
+        with pytest.raises(UsageError, match=says):
+            score(bad, ["p"], ["c"], [[1]], {})
+    assert torch.finfo(torch.float32).max > 1e30 and np.isfinite(np.float32(1e30) * 64)  # a group's sums still fit
+
+
+def test_user_code_cannot_end_the_run_hang_it_or_warn_of_an_unawaited_coroutine(tmp_path, recwarn):
+    for code, says in (("sys.exit(0)", r"called sys.exit\(0\); a reward function cannot end the run"),
+                       ("sys.exit(3)", r"sys.exit\(3\)"), ("raise KeyError('k')", "raised KeyError: 'k'")):
+        exiting = _functions(tmp_path, f"import sys\ndef r(prompts, completions, completion_ids, **kw):\n    {code}\n")
+        with pytest.raises(UsageError, match=says):
+            score(exiting, ["p"], ["c"], [[1]], {})
+    stuck = _functions(tmp_path, "import time\ndef r(prompts, completions, completion_ids, **kw):\n"
+                                 "    time.sleep(60)\n")
+    with pytest.raises(UsageError, match=r"did not return within 0.3 s \(--reward_timeout\)"):
+        score(stuck, ["p"], ["c"], [[1]], {}, timeout_s=0.3)
+    awaited = _functions(tmp_path, "import asyncio\nasync def r(prompts, completions, completion_ids, **kw):\n"
+                                   "    await asyncio.sleep(0)\n    return [0.25 for _ in completions]\n")
+    assert score(awaited, ["p", "q"], ["c", "d"], [[1], [2]], {}) == [[0.25], [0.25]]
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+def test_a_stop_signal_does_not_wait_on_a_stuck_reward(tmp_path, monkeypatch):
+    import signal
+
+    from finetune import objectives
+    from finetune.objectives import rewards
+    from finetune.stopping import StopSignals
+
+    monkeypatch.setattr(rewards, "STOP_GRACE_S", 0.2)
+    stuck = _functions(tmp_path, "import time\ndef r(prompts, completions, completion_ids, **kw):\n"
+                                 "    time.sleep(60)\n")
+    with StopSignals() as stop:
+        stop._handle(signal.SIGTERM, None)
+        with pytest.raises(UsageError, match="SIGTERM arrived while reward function .* was running"):
+            score(stuck, ["p"], ["c"], [[1]], {}, timeout_s=0)
+    assert objectives.REGISTRY["grpo"].options.count("reward_timeout") == 1

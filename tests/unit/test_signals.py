@@ -1,0 +1,39 @@
+"""The no-signal warnings (finetune/signals.py) and the checks each objective names."""
+
+from __future__ import annotations
+
+from finetune.signals import NoSignal, NoSignalWatch, zero_gradient
+
+
+def test_a_streak_warns_once_when_it_reaches_its_length_and_a_break_restarts_it():
+    watch = NoSignalWatch([zero_gradient(steps=3)])
+    said = [watch.lines(step, {"grad_norm": g}) for step, g in enumerate([0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0], 1)]
+    assert [i for i, lines in enumerate(said, 1) if lines] == [6]
+    assert said[5][0].startswith("warning: grad_norm is 0 for 3 steps in a row (step 6): no parameter is changing")
+    assert watch.lines(8, {"loss": 1.0}) == []  # a step without the metric says nothing
+
+
+def test_from_the_first_step_only_counts_a_run_that_starts_there():
+    def accuracy_check():
+        return NoSignal("rewards/accuracies", lambda v: v >= 1.0, 3, "too easy", from_first_step=True)
+
+    fresh = NoSignalWatch([accuracy_check()])
+    assert [fresh.lines(s, {"rewards/accuracies": 1.0}) for s in (1, 2)] == [[], []]
+    assert "since the first step (step 3): too easy" in fresh.lines(3, {"rewards/accuracies": 1.0})[0]
+    resumed = NoSignalWatch([accuracy_check()])
+    assert not any(resumed.lines(s, {"rewards/accuracies": 1.0}) for s in range(11, 20))
+    learned = NoSignalWatch([accuracy_check()])
+    values = [0.5, 1.0, 1.0, 1.0, 1.0]
+    assert not any(learned.lines(s, {"rewards/accuracies": v}) for s, v in enumerate(values, 1))
+
+
+def test_each_objective_names_its_own_checks():
+    from finetune.config import TrainConfig
+    from finetune.tasks.base import build_task
+
+    def metrics(**kw):
+        return [c.metric for c in build_task(TrainConfig(**kw)).no_signal_checks()]
+
+    assert metrics(model="tiny-gpt2") == ["grad_norm"]
+    assert metrics(model="tiny-gpt2", method="dpo") == ["grad_norm", "rewards/accuracies"]
+    assert metrics(model="tiny-gpt2", method="grpo", reward_funcs=["format"]) == ["grad_norm", "frac_reward_zero_std"]
