@@ -25,6 +25,7 @@ from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWH
                              SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
+from finetune.launch_request import no_deepspeed_engine
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
 from finetune.objectives.rewards import absolute_reward, is_user_code
 from finetune.tasks import REGISTRY
@@ -488,7 +489,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
-    without_deepspeed_engines()
+    no_deepspeed_engine()  # it builds no DeepSpeed engine
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.export import export_checkpoint, export_gguf
 
@@ -516,7 +517,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
-    without_deepspeed_engines()
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import generate_text
 
@@ -532,7 +532,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     no_bars_off_a_terminal()
     keep_torchao_out_of_transformers()
-    without_deepspeed_engines()
+    no_deepspeed_engine()  # it builds no DeepSpeed engine
     from finetune.cpu_threads import cpu_threads_line, use_cpu_threads
     from finetune.inference import evaluate_model_dir
 
@@ -681,17 +681,6 @@ def keep_torchao_out_of_transformers() -> None:
     def unavailable(*args, **kwargs) -> bool:
         return False
     transformers.utils.is_torchao_available = transformers.utils.import_utils.is_torchao_available = unavailable
-
-
-def without_deepspeed_engines() -> None:
-    """export, generate and evaluate build no DeepSpeed engine: Accelerate's
-    unwrap (which save_pretrained calls, converting a GGUF file) is told so, as
-    a training run on another backend tells it (backends/base.py). Otherwise it
-    imports DeepSpeed wherever it is installed: 1.8 s here, and a warning on
-    stdout, inside the text `generate` prints."""
-    from finetune.backends.ddp import OneProcess
-
-    OneProcess().import_libraries()
 
 
 def run_command(argv: list[str] | None) -> int:

@@ -10,28 +10,35 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
-from finetune.backends import REGISTRY as BACKENDS, weights_in
-from finetune.backends.base import Backend
-from finetune.checkpoint import MODEL_CONFIG_DIR, complete_checkpoints, read_progress, saved_config
+from finetune.model_dir import MODEL_CONFIG_DIR
 from finetune.config import data_options, load_config
 from finetune.errors import UsageError, why_it_cannot_be_made, write_failure_fix
 from finetune.model_card import checkpoint_record, write_model_card
 from finetune.model_dir import check_output_dir, read_generation_config, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
-from finetune.peft import method_of_checkpoint
 from finetune.tasks import task_for_config
 from finetune.verify import verify_manifest
+
+if TYPE_CHECKING:
+    from finetune.backends.base import Backend
+
+# A checkpoint's layouts are read by the backends (and torch.distributed.checkpoint):
+# imported where a checkpoint is exported, never for a model dir.
 
 
 def find_model_weights(path: str | Path) -> tuple[Backend, Path]:
     """A run dir means its newest complete checkpoint; a checkpoint dir the
     model weights in it, with the backend whose layout they are in."""
+    from finetune.backends import REGISTRY as BACKENDS, weights_in
+    from finetune.checkpoint import complete_checkpoints
+
     path = Path(path)
     if not path.is_dir():
         what = "is a file" if path.exists() else "does not exist"
@@ -59,6 +66,8 @@ def check_not_inside(output: Path, source: Path) -> None:
 
 def run_data(checkpoint_dir: Path) -> dict | None:
     """The data record (config.data_options) of the run that wrote a checkpoint; None for another tool's."""
+    from finetune.checkpoint import read_progress, saved_config
+
     saved = saved_config(checkpoint_dir)
     return data_options(saved, read_progress(checkpoint_dir).world_size) if saved else None
 
@@ -70,6 +79,8 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     it saves its model (adapters merged into their base), or (adapter_only)
     the adapters alone. `trust_remote_code` is the command line's: the run's
     own record of it is never taken."""
+    from finetune.peft import method_of_checkpoint
+
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge

@@ -130,3 +130,14 @@ def check_mesh_size(world_size: int) -> None:
         raise UsageError(f"the parallelism_config mesh is dp_replicate {sizes['dp_replicate_size']} x dp_shard "
                          f"{sizes['dp_shard_size']} x tp {sizes['tp_size']} = {product} ranks, but {world_size} "
                          f"were launched; make the sizes multiply to --num_processes (or launch {product})")
+
+
+def no_deepspeed_engine() -> None:
+    """Accelerate's unwrap (in `prepare`, at every save, and in
+    save_pretrained) imports DeepSpeed whenever it is installed, only to compare
+    the model with DeepSpeed's engine: 1.1-1.8 s and 66 MB per process
+    (measured), and a warning on stdout. A process without that engine (a
+    run on another backend, export, generate, evaluate) tells Accelerate so."""
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False

@@ -19,7 +19,7 @@ from finetune.backends.mesh import Mesh
 from finetune.collectives import gather_ints
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, ModelShape
-from finetune.launch_request import has_accelerator_device, launched_world_size
+from finetune.launch_request import has_accelerator_device, launched_world_size, no_deepspeed_engine
 from finetune.model_dir import Weights
 from finetune.parameters import full_numel, local_numel, tally
 from finetune.shard_loading import safetensors_weights
@@ -116,13 +116,8 @@ class Backend:
     # --- building and preparing -----------------------------------------------------------------
 
     def import_libraries(self) -> None:
-        """Accelerate's unwrap (in `prepare`, and at every save) imports DeepSpeed
-        whenever it is installed, only to compare the model with DeepSpeed's engine:
-        1.1 s and 66 MB per rank (measured), in runs that never use it. A run
-        without that engine tells Accelerate so."""
-        import accelerate.utils.other
-
-        accelerate.utils.other.is_deepspeed_available = lambda: False
+        """A run without DeepSpeed's engine keeps Accelerate from importing it."""
+        no_deepspeed_engine()
 
     def check_supported_here(self) -> None:
         """One line (UsageError) for what this machine cannot run."""

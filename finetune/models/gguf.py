@@ -23,6 +23,7 @@ import torch
 
 from finetune.data.builtin import cache_root
 from finetune.errors import UsageError, not_a_file
+from finetune.launch_request import no_deepspeed_engine
 
 
 def is_gguf(name_or_path: str) -> bool:
@@ -95,6 +96,7 @@ def converted_dir(gguf_path: str) -> Path:
                          f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); pass a supported GGUF file")
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    no_deepspeed_engine()  # save_pretrained's unwrap would import DeepSpeed, and warn on stdout
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)  # atomic: a half-written dir is never taken for the model

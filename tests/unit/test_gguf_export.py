@@ -363,6 +363,11 @@ def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text
 import sys
 from finetune.cli import main
 code = main(["generate", {str(out)!r}, "--prompt", "the model", "--max_new_tokens", "3"])
+code = code or main(["export", {str(tmp_path / "gpt2-128")!r}, "--format", "gguf", "--output",
+                     {str(tmp_path / "again.gguf")!r}])
+# Commands that do not train import no backend (nor its collectives and checkpoint reader).
+print("training modules:", sorted(m for m in sys.modules if m.startswith(("finetune.backends", "finetune.collectives",
+                                                                          "finetune.checkpoint", "finetune.train"))))
 print("deepspeed imported:", "deepspeed" in sys.modules)
 sys.exit(code)
 """
@@ -376,6 +381,7 @@ sys.exit(code)
     assert "\r" not in proc.stderr and "it/s]" not in proc.stderr, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == "deepspeed imported: False" and lines[0].startswith("the model"), proc.stdout
+    assert lines[-2] == "training modules: []", proc.stdout
 
 
 def test_a_link_planted_at_the_scratch_name_is_not_written_through_and_files_get_the_usual_mode(model_dirs, tmp_path):
