@@ -404,10 +404,16 @@ def _run(cfg: TrainConfig, default_run_dir: bool = False) -> int:
     summary = train(cfg)
     if is_rank_zero():
         print(f"run dir: {cfg.output_dir}\nfinal model: {summary['final_model_dir']}\n{eval_line(summary)}")
-        if cfg.sample_prompt and REGISTRY[cfg.task].generative:
+        held_out = summary.get("sample_prompt")  # an objective's own: a held-out prompt of the data it trained on
+        if cfg.sample_prompt and held_out and cfg.sample_prompt == TrainConfig.sample_prompt:
+            answer = generate_text(summary["final_model_dir"], held_out, 60, chat=None)
+            shown = held_out if isinstance(held_out, str) else held_out[-1].get("content", held_out)
+            print(f"fine-tuned model's answer to the held-out prompt {shown!r}: {answer!r}")
+        elif cfg.sample_prompt and REGISTRY[cfg.task].generative:
             # The prompt is shown: the default ("The") is not one the user typed.
-            if summary["data_format"] in ("chat", "instruction"):  # the prompt is a question to answer
-                answer = generate_text(summary["final_model_dir"], cfg.sample_prompt, 60, chat=True)
+            if summary["data_format"] in ("chat", "instruction", "preference", "prompt"):  # a question to answer
+                chat = True if summary["data_format"] in ("chat", "instruction") else None  # None: by the template
+                answer = generate_text(summary["final_model_dir"], cfg.sample_prompt, 60, chat=chat)
                 print(f"fine-tuned model's answer to {cfg.sample_prompt!r}: {answer!r}")
             else:
                 sample = generate_text(summary["final_model_dir"], cfg.sample_prompt)

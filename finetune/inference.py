@@ -42,20 +42,24 @@ def load_model_dir(model_dir: str):
 
 
 @torch.no_grad()
-def generate_text(model_dir: str, prompt: str, max_new_tokens: int = 40, chat: bool = False, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0) -> str:
-    """Greedy decoding unless `temperature` > 0. With `chat`, the prompt is a
-    user turn rendered with the model's chat template and only the answer is
-    returned; otherwise the prompt and its continuation."""
+def generate_text(model_dir: str, prompt: str | list[dict], max_new_tokens: int = 40, chat: bool | None = False,
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
+    """Greedy decoding unless `temperature` > 0. With `chat`, the prompt (a
+    user turn's text, or messages) is rendered with the model's chat template
+    and only the answer is returned; otherwise the prompt and its
+    continuation. `chat=None`: chat when the model has a chat template."""
     task, model, tokenizer = load_model_dir(model_dir)
     if not task.generative:
         raise UsageError(f"{model_dir} holds an {task.name} model, which does not generate text; use `finetune evaluate`")
+    if chat is None:
+        chat = bool(tokenizer.chat_template) or isinstance(prompt, list)
     if chat:
         if not tokenizer.chat_template:
             raise UsageError(f"the tokenizer in {model_dir} has no chat template; drop --chat, or train with "
                              "--chat_template FILE")
         check_chat_template(tokenizer, f"the chat template of {model_dir}")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -252,14 +253,24 @@ def rank_warning(accelerator, message: str) -> None:
     print(f"[rank {accelerator.process_index}] warning: {message}", file=sys.stderr, flush=True)
 
 
-def step_line(row: dict, total_steps: int, throughput_key: str) -> str:
+def step_line(row: dict, total_steps: int, throughput_key: str, width: int | None = None) -> str:
+    """One line per logged step, within the terminal's `width` (COLUMNS, else
+    the terminal's, else 120): an objective's or a mixture's own metrics as
+    many as fit, in their order, the rest counted (metrics.jsonl has them all)."""
+    width = width or shutil.get_terminal_size((120, 24)).columns
     unit = throughput_key.removesuffix("_per_sec")
+    line = (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
+            f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}")
     # an objective's own (rewards/..., reward, kl) and a mixture's tokens per source (tokens/...)
     shown = {"step", "epoch", "loss", "lr", "grad_norm", "step_time_s", throughput_key}
-    extra = "".join(f"  {name} {row[name]:,}" if isinstance(row[name], int) else f"  {name} {row[name]:.4f}"
-                    for name in row if name not in shown and not name.startswith("rss_bytes_rank"))
-    return (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
-            f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}{extra}")
+    extras = [f"  {name} {row[name]:,}" if isinstance(row[name], int) else f"  {name} {row[name]:.4f}"
+              for name in row if name not in shown and not name.startswith("rss_bytes_rank")]
+    for i, extra in enumerate(extras):
+        rest = f"  (+{len(extras) - i - 1} more)" if i < len(extras) - 1 else ""
+        if len(line) + len(extra) + len(rest) > width:
+            return line + f"  (+{len(extras) - i} more)"
+        line += extra
+    return line
 
 
 def evaluation_line(step: int, result: dict, metric: str) -> str:

@@ -117,6 +117,7 @@ class GRPOLM(WithReference, CausalLM):
         self.run_dir: Path | None = None
         self.rollout_metrics: dict[str, float] = {}  # of the rollout the step trained on
         self.warned_unscored = False  # the warning that no completion got a reward, said once
+        self.sample_prompt: str | list | None = None  # a held-out prompt (text or messages)
 
     @property
     def needs_reference(self) -> bool:
@@ -148,7 +149,8 @@ class GRPOLM(WithReference, CausalLM):
 
     def summary_facts(self) -> dict[str, Any]:
         return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards],
-                "last_rollout": self.rollout_metrics}  # TRL's names, of the last step's samples
+                "last_rollout": self.rollout_metrics,  # TRL's names, of the last step's samples
+                "sample_prompt": self.sample_prompt}
 
     def training_batches(self, batches):
         return RolloutBatches(batches, self)
@@ -185,6 +187,8 @@ class GRPOLM(WithReference, CausalLM):
                         continue
                     ids, cut = ids[-room:], cut + 1  # the prompt's end leads into the completion
                 columns = {k: v for k, v in values.items() if k != EXAMPLE_NUMBER}
+                if name == "validation" and self.sample_prompt is None:  # what the run's closing sample answers
+                    self.sample_prompt = columns["prompt"]
                 self.rows.append(columns)
                 rows.append({"prompt_ids": ids, "row": len(self.rows) - 1})
             if not rows:

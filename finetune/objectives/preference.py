@@ -48,6 +48,7 @@ class PreferenceLM(WithReference, CausalLM):
         self.splits: list = []                                  # the pair splits, numbered across (`pair`)
         self.reference_table: torch.Tensor | None = None        # [pairs, 2] precomputed reference log-probs
         self.cached_table: Path | None = None                    # where they are cached
+        self.sample_prompt: str | list | None = None             # a held-out prompt (text or messages)
 
     def no_signal_checks(self) -> list[NoSignal]:
         return [*super().no_signal_checks(), NoSignal(
@@ -88,7 +89,8 @@ class PreferenceLM(WithReference, CausalLM):
             gc.collect()
 
     def summary_facts(self) -> dict[str, Any]:
-        return self.reference_facts(str(self.cached_table) if self.reference_table is not None else "")
+        return {**self.reference_facts(str(self.cached_table) if self.reference_table is not None else ""),
+                "sample_prompt": self.sample_prompt}
 
     # --- data -------------------------------------------------------------------------------------
 
@@ -105,6 +107,10 @@ class PreferenceLM(WithReference, CausalLM):
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
         cfg = self.cfg
         first = raw["train"][0] if len(raw["train"]) else {}
+        if "validation" in raw and len(raw["validation"]):  # what the run's closing sample answers
+            held_out = raw["validation"][0]
+            self.sample_prompt = held_out.get("prompt") or (held_out["chosen"][:-1] or None
+                                                            if isinstance(held_out["chosen"], list) else None)
         rendered_as = "chat" if isinstance(first.get("chosen"), list) else "prompt_completion"
         load_chat_template(tokenizer, cfg.chat_template, rendered_as, cfg.model)
         return build_pair_splits(raw, tokenizer, cfg.block_size, cfg.max_prompt_length, cfg.long_examples,

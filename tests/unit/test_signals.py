@@ -37,3 +37,17 @@ def test_each_objective_names_its_own_checks():
     assert metrics(model="tiny-gpt2") == ["grad_norm"]
     assert metrics(model="tiny-gpt2", method="dpo") == ["grad_norm", "rewards/accuracies"]
     assert metrics(model="tiny-gpt2", method="grpo", reward_funcs=["format"]) == ["grad_norm", "frac_reward_zero_std"]
+
+
+def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest():
+    from finetune.report import step_line
+
+    row = {"step": 3, "epoch": 0, "loss": 0.5, "lr": 1e-5, "grad_norm": 0.25, "step_time_s": 1.0,
+           "tokens_per_sec": 1000.0, "reward": 0.5, "reward_std": 0.1, "frac_reward_zero_std": 0.0,
+           **{f"rewards/fn{i}/mean": 0.5 for i in range(12)}, "rss_bytes_rank0": 10}
+    for width in (90, 120, 200):
+        line = step_line(row, 10, "tokens_per_sec", width=width)
+        assert len(line) <= width and line.startswith("step 3/10  loss 0.5000") and "rss_bytes" not in line
+        shown = line.count("  reward") + line.count("  frac_reward")
+        assert line.endswith(f"  (+{15 - shown} more)") and (width < 120 or shown >= 2), line
+    assert "more)" not in step_line(row, 10, "tokens_per_sec", width=1000)
