@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -106,6 +107,12 @@ def check_grpo(cfg) -> None:
     if not cfg.reward_funcs:
         raise UsageError("--method grpo needs --reward_funcs: a FILE.py:NAME or module:NAME of yours, or a built-in "
                          "(exact_match, format, length_penalty); see docs/grpo.md")
+    if "format" in cfg.reward_funcs:
+        try:
+            re.compile(cfg.reward_pattern)
+        except re.error as e:
+            raise UsageError(f"--reward_pattern {cfg.reward_pattern!r} is not a regular expression ({e}); fix it "
+                             "(the built-in format reward matches it against each whole completion)") from None
     if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
         raise UsageError(f"--reward_weights has {len(cfg.reward_weights)} weight(s) for {len(cfg.reward_funcs)} "
                          "--reward_funcs; give one weight per function, in the same order")

@@ -124,6 +124,44 @@ def _template_without_system(tmp: Path) -> Path:
 
 ANSWERED = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": "A tiny test."}]
 
+GRPO_REWARDS = '''
+def raises(prompts, completions, completion_ids, **columns):
+    raise ValueError("no score for you")
+
+
+def wrong_length(prompts, completions, completion_ids, **columns):
+    return [1.0]
+
+
+def not_numbers(prompts, completions, completion_ids, **columns):
+    return ["high"] * len(completions)
+
+
+def too_large(prompts, completions, completion_ids, **columns):
+    return [1e308] * len(completions)
+
+
+def exits(prompts, completions, completion_ids, **columns):
+    import sys
+    sys.exit(3)
+
+
+def hangs(prompts, completions, completion_ids, **columns):
+    import time
+    time.sleep(3600)
+'''
+
+
+def _grpo(tmp: Path, reward: str = "format", *extra: str, rows: list | None = None) -> list[str]:
+    """A GRPO run of a tiny chat model on a few prompts, scored by `reward`:
+    a built-in, or a function of GRPO_REWARDS (NAME) in a file of the user's."""
+    (tmp / "rewards.py").write_text(GRPO_REWARDS)
+    rows = rows or [{"prompt": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in "abcdefgh"]
+    spec = reward if reward in ("format", "exact_match") or ":" in reward else f"{tmp / 'rewards.py'}:{reward}"
+    return [*_chat_model(tmp), *_chat_rows(tmp, *rows), "--method", "grpo", "--reward_funcs", spec,
+            "--num_generations", "2", "--per_device_batch_size", "2", "--max_completion_length", "4",
+            "--block_size", "32", "--max_eval_samples", "2", "--reward_timeout", "1", *extra]
+
 
 def _task_without_data(tmp: Path) -> Path:
     (tmp / "tasks").mkdir()
@@ -213,6 +251,23 @@ CASES = {
                    "--output_dir", str(t / "new" / "deeper" / "run")], "column 'messages' holds list values, not text"),
     "a text column of bytes": (lambda t: ["--dataset", str(_binary_text_parquet(t))],
                                "column 'text' holds binary values, not text"),
+    "GRPO data without a prompt column": (lambda t: _grpo(t, rows=[{"messages": ANSWERED}] * 8),
+                                          "--method grpo trains on prompts alone (a prompt column)"),
+    "GRPO: a reward file that does not exist": (lambda t: _grpo(t, str(t / "none.py:score")), "none.py does not exist"),
+    "GRPO: a reward function the file does not define": (lambda t: _grpo(t, "nothing"), "defines no nothing"),
+    "GRPO: a reward function that raises": (lambda t: _grpo(t, "raises"), "raised ValueError: no score for you"),
+    "GRPO: a reward function that returns too few rewards": (lambda t: _grpo(t, "wrong_length"),
+                                                              "returned 1 rewards for 2 completions"),
+    "GRPO: a reward that is not a number": (lambda t: _grpo(t, "not_numbers"), "returned 'high' for completion 0"),
+    "GRPO: a reward too large for float32": (lambda t: _grpo(t, "too_large"), "within +-1e+30"),
+    "GRPO: a reward function that calls sys.exit": (lambda t: _grpo(t, "exits"), "called sys.exit(3)"),
+    "GRPO: a reward function that never returns": (lambda t: _grpo(t, "hangs"), "did not return within 1 s"),
+    "GRPO: exact_match without an answer column": (
+        lambda t: _grpo(t, "exact_match", rows=[{"prompt": "say a"}] * 8), "lacks; add an answer column"),
+    "GRPO: a --reward_pattern that is not a regular expression": (lambda t: _grpo(t, "format", "--reward_pattern", "(["),
+                                                                  "is not a regular expression"),
+    "GRPO: a reference model without a KL term": (lambda t: _grpo(t, "format", "--reference_model", "tiny-gpt2"),
+                                                  "--beta is 0 (no KL term"),
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),
