@@ -154,8 +154,9 @@ class TrainConfig:
     image_column: str = _opt("image", "column holding the images (image-classification)")
     label_column: str = _opt("label", "column holding the class ids (image-classification)")
     data_format: str = _opt("auto", "text (blocks of concatenated text), chat (a messages column), instruction "
-                            "(instruction/input/output), prompt_completion (prompt/completion), or auto: detected "
-                            "from the columns", choices=DATA_FORMATS)
+                            "(instruction/input/output), prompt_completion (prompt/completion), preference "
+                            "(prompt/chosen/rejected: --method dpo or simpo), prompt (prompts alone: --method grpo), "
+                            "or auto: detected from the columns", choices=DATA_FORMATS)
     chat_template: str = _opt("", "a Jinja chat template file that renders chat and instruction data, replacing the "
                               "tokenizer's own; saved with the model")
     train_on_prompt: bool = _opt(False, "SFT: take the loss on every token, not only on the answers and their "

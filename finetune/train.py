@@ -451,6 +451,9 @@ def evaluation_due(cfg: TrainConfig, progress: TrainingProgress, epoch_end: bool
     return bool(every_steps or every_epochs)
 
 
+SANE_LEARNING_RATE = 1e-3  # the highest a suggestion goes: our from-scratch default, 20x the fine-tuning one
+
+
 def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate: float, first: bool = False) -> str:
     """The weights after step - 1 produced the bad loss, so a checkpoint of
     that step is not a good one to go back to. `first`: the first step this
@@ -460,7 +463,8 @@ def non_finite_loss_message(loss: float, step: int, run_dir: Path, learning_rate
                 "weights it started from or the data give it, not the learning rate; check --model (or the "
                 "checkpoint resumed) and the data, and --model_dtype float32 if the model is in half precision")
     good = [c for c in complete_checkpoints(run_dir) if checkpoint_step(c) < step - 1]
-    lower = f"{learning_rate / 10:g}"
+    # A tenth of the rate that diverged, but never above the highest rate anyone trains with.
+    lower = f"{min(learning_rate / 10, SANE_LEARNING_RATE):g}"
     if not good:
         return (f"the loss is {loss} at step {step}, so the run stopped without saving; no earlier checkpoint "
                 f"is usable: start again with a lower --learning_rate (e.g. {lower})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -149,10 +150,45 @@ def test_the_site_builds_strict_and_a_broken_link_fails_it(tmp_path):
     proc = build(REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "site" / "lora" / "index.html").is_file()
+    # What the build does not check: each list item and table row of a page is one in its HTML.
+    for page in sorted((REPO / "docs").glob("*.md")):
+        html = (tmp_path / "site" / ("" if page.stem == "index" else page.stem) / "index.html").read_text()
+        assert rendered_structure(html) == markdown_structure(page.read_text()), page.name
     copy = tmp_path / "copy"
     shutil.copytree(REPO / "docs", copy / "docs")
     shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
+    # A list glued to the paragraph before it builds, strict, and renders as one paragraph: the check sees it.
+    training = copy / "docs" / "training.md"
+    training.write_text(training.read_text().replace("sharded.\n\n- `--model`", "sharded.\n- `--model`", 1))
+    assert build(copy).returncode == 0
+    html = (tmp_path / "site" / "training" / "index.html").read_text()
+    assert rendered_structure(html) != markdown_structure(training.read_text())
     page = copy / "docs" / "lora.md"
     page.write_text(page.read_text() + "\nSee [the planner](memory-planner.md#no-such-section).\n")
     broken = build(copy)
     assert broken.returncode != 0 and "no-such-section" in broken.stderr, broken.stderr[-2000:]
+
+
+LIST_ITEM = re.compile(r"^\s*([-*]|\d+\.) \S")
+TABLE_ROW = re.compile(r"^\s*\|")
+TABLE_RULE = re.compile(r"^\s*\|[\s:|-]+\|?\s*$")
+
+
+def markdown_structure(text: str) -> tuple[int, int]:
+    """The list items and table rows (header rows included) a page's Markdown
+    writes, outside code blocks."""
+    items = rows = 0
+    fenced = False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            items += bool(LIST_ITEM.match(line))
+            rows += bool(TABLE_ROW.match(line)) and not TABLE_RULE.match(line)
+    return items, rows
+
+
+def rendered_structure(html: str) -> tuple[int, int]:
+    """The list items and table rows of a built page's article (not the site's navigation)."""
+    article = html[html.index("<article"):html.index("</article>")]
+    return len(re.findall(r"<li[ >]", article)), len(re.findall(r"<tr[ >]", article))

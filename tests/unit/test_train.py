@@ -123,3 +123,12 @@ def test_a_non_finite_first_loss_is_not_blamed_on_the_learning_rate(tmp_path):
                                          "of its own: the weights it started from or the data give it") as refused:
         after_step(run, step(float("inf")))
     assert "--learning_rate" not in str(refused.value)
+
+
+def test_the_learning_rate_suggested_after_a_nan_is_a_tenth_and_never_absurd(tmp_path):
+    from finetune.train import SANE_LEARNING_RATE, non_finite_loss_message
+
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    for rate, suggested in ((1e-4, "1e-05"), (1e6, f"{SANE_LEARNING_RATE:g}"), (5e-3, "0.0005")):
+        message = non_finite_loss_message(float("nan"), 9, tmp_path, rate)
+        assert message.endswith(f"--learning_rate {suggested}`"), message
