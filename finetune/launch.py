@@ -147,7 +147,10 @@ def relaunch(run_dir: Path, launch: dict, argv: list[str], num_processes: int | 
             return None
         shown = shlex.join(["accelerate", "launch", *command[3:]]).replace(str(config_file), "RECORDED_CONFIG")
         print(f"relaunching as the run was launched: {shown}", flush=True)
-        launcher = subprocess.Popen(command, env={**os.environ, EXIT_STATUS_DIR: scratch})
+        # The current dir (maybe the run dir, someone else's) never leads the
+        # import path of the launcher or the workers, as `python -m` would put
+        # it: a json.py there would run (Python 3.11+; finetune/__main__.py on 3.10).
+        launcher = subprocess.Popen(command, env={**os.environ, EXIT_STATUS_DIR: scratch, "PYTHONSAFEPATH": "1"})
         # Ctrl-C reaches the launcher and the workers from the terminal, and they
         # stop the run cleanly; this process only waits for them. A SIGTERM or
         # SIGHUP sent to this process alone is passed on.

@@ -131,7 +131,7 @@ def train(cfg: TrainConfig) -> dict:
     task.method.check_supported_here()
     run_dir = Path(cfg.output_dir)
     new_dir = not run_dir.exists()
-    afresh = not cfg.resume_from_checkpoint and starts_afresh(run_dir)
+    afresh = starts_afresh(run_dir)  # (a resume from another run's checkpoint may write into a new dir)
     new_parents = [p for p in run_dir.absolute().parents if not p.exists()]  # made with the run dir
     trackers = build_trackers(cfg.report_to, run_dir, resume=bool(cfg.resume_from_checkpoint))
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, trackers,
@@ -142,7 +142,7 @@ def train(cfg: TrainConfig) -> dict:
     lock = RunLock(run_dir, accelerator)
     try:
         with lock, StopSignals() as stop:
-            if afresh and accelerator.is_main_process and failed_start(run_dir):
+            if cfg.resume_from_checkpoint in ("", "auto") and accelerator.is_main_process and failed_start(run_dir):
                 accelerator.print(f"note: {run_dir} holds a run that failed before its first checkpoint: starting it afresh")
                 empty_run_dir(run_dir)
             return run_to_the_end(setup_run(cfg, task, accelerator, backend, stop, heartbeats, host))

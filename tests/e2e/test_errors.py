@@ -637,7 +637,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(checkpointed_run, tmp
     assert [r["step"] for r in train_rows(run_dir)][-1] == nan_step - 1  # the bad step is not logged
     good = run_dir / "checkpoints" / f"step_{nan_step - 2:06d}"
     assert f"the newest checkpoint whose weights still gave a finite loss is {good}" in line
-    assert f"--resume_from_checkpoint {good} --learning_rate 100000" in line
+    assert f"--resume_from_checkpoint {good} --learning_rate 0.001`" in line  # a tenth of 1e6 would diverge too
     assert "learning rate schedule rescaled from a peak of 0.003 to 1e+06" in proc.stdout  # the override took effect
     # Checkpoints written after the resume (every step) stop before the bad step; nothing older changed.
     after = snapshot(run_dir / "checkpoints")

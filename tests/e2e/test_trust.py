@@ -629,3 +629,18 @@ def test_checkpoint_at_end_false_writes_final_alone_and_resume_says_what_to_do(t
     proc = run_in_process("resume", run_dir, "--max_steps", "3", "--no_relaunch")
     assert proc.returncode == 2
     assert f"train its final model further: --model {run_dir / 'final'}" in one_error_line(proc.stderr)
+
+
+def test_a_relaunch_never_imports_from_the_current_dir(tmp_path, env):
+    """`finetune resume` typed inside someone else's run dir: a json.py there
+    shadows the standard library for any `python -m` started in it. Neither the
+    relaunched launcher nor its worker imports it (the calling process itself
+    runs with -P, as the console script's path holds no current dir)."""
+    (tmp_path / "json.py").write_text("open('IMPORTED', 'w').close()\nfrom importlib import import_module\n")
+    script = ("import os, sys; from pathlib import Path; from finetune.launch import relaunch; "
+              "sys.exit(relaunch(Path('.'), {'launcher_options': ['--num_processes', '1'], 'accelerate_config': None}, "
+              "['configs'], None))")
+    proc = subprocess.run([sys.executable, "-P", "-c", script], cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp.yaml" in proc.stdout and not (tmp_path / "IMPORTED").exists()
