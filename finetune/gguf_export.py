@@ -405,7 +405,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     from transformers import AutoConfig, AutoTokenizer
 
     from finetune.model_dir import read_generation_config
-    from finetune.models import check_model_files
+    from finetune.models import check_config_sizes, check_model_files
     from finetune.shard_loading import stored_tensors
 
     check_model_files(model_dir, str(model_dir))  # weights and tokenizer whole, before anything trusts them
@@ -414,6 +414,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class: OSError, ZeroDivisionError, ...)
         raise UsageError(f"could not read the model config of {model_dir} ({first_line(e)}); pass a whole model dir "
                          "(an export, a run's final/)") from None
+    check_config_sizes(config, str(model_dir))
     family = family_of(config)
     stored = stored_tensors(model_dir)
     if stored is None:

@@ -57,6 +57,7 @@ from finetune.errors import UsageError
 from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activation_bytes, cpu_peak_rss,
                                 frozen_bytes, fsdp_traffic, mesh_name)
 from finetune.host_memory import MMAP_THRESHOLD_BYTES
+from finetune.models import check_config_sizes
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
@@ -85,9 +86,10 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
         try:
             source = converted_dir(name_or_path) if is_gguf(name_or_path) else name_or_path
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class)
             raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
                              "pass a preset, a local HF model dir or a reachable Hub id") from None
+        check_config_sizes(config, f"--model {name_or_path}")
         if task_for_config(config) is not causal_lm:
             raise UsageError(f"estimate-memory models transformer causal LMs, and --model {name_or_path} is a "
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")

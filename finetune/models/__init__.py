@@ -125,6 +125,31 @@ def check_model_files(model_dir: Path, what: str) -> None:
                              "model's tokenizer with save_pretrained") from None
 
 
+# A config's sizes, and the most any model has had (with room to spare): a
+# larger or non-positive one is a damaged or crafted config.json, refused in
+# one line before anything is built from it (hours of meta-device work, or
+# an overflow deep in a library).
+CONFIG_SIZES = {
+    "num_hidden_layers": 4096, "n_layer": 4096, "hidden_size": 1 << 20, "n_embd": 1 << 20,
+    "num_attention_heads": 1 << 16, "n_head": 1 << 16, "num_key_value_heads": 1 << 16,
+    "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 26,
+    "n_positions": 1 << 26, "num_local_experts": 1 << 14, "num_experts": 1 << 14, "head_dim": 1 << 16,
+}
+
+
+def check_config_sizes(config: PretrainedConfig, where: str) -> None:
+    """Each size a config states is a positive integer no larger than any model's."""
+    for name, largest in CONFIG_SIZES.items():
+        value = config.__dict__.get(name)
+        if value is None:
+            continue
+        values = value if isinstance(value, (list, tuple)) and value else [value]  # per-layer sizes (OpenELM)
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= largest for v in values):
+            raise UsageError(f"the config of {where} has {name} {value!r}, which no model has (a positive integer "
+                             f"up to {largest:,}); the config.json is damaged or crafted: fix it, or use the model's "
+                             "own")
+
+
 def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option: str = "--model") -> PretrainedConfig:
     """The HF config of a Hub id or a local HF model dir, with errors that say
     what to do (`presets` names the presets to suggest instead, `option` the
@@ -137,10 +162,12 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option
     if path.is_dir():
         check_model_files(path, f"{option} {name_or_path}")
     try:
-        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class: OSError, a field's type, ...)
         raise UsageError(f"could not load {option} {name_or_path} ({first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id{f', or a preset ({presets})' if presets else ''}") from None
+    check_config_sizes(config, f"{option} {name_or_path}")
+    return config
 
 
 def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, trust_remote_code: bool,
