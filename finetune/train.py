@@ -60,6 +60,9 @@ from finetune.tasks import check_preset_task
 from finetune.tasks.base import Task, TaskData, build_task
 
 
+LONG_EVALUATION_BATCHES = 500  # an evaluation this long is said before it starts
+
+
 @dataclass
 class Run:
     """What a run holds from setup to finish."""
@@ -101,6 +104,13 @@ class Run:
         self.accelerator.log(grouped_names(row), step=row["step"])
 
     def evaluate(self) -> dict:
+        try:
+            batches = len(self.eval_loader)
+        except TypeError:  # rows without a length
+            batches = 0
+        if batches >= LONG_EVALUATION_BATCHES:
+            say(self.accelerator, f"evaluating {batches:,} held-out batches at step {self.progress.step} "
+                                  "(--max_eval_samples takes fewer)")
         result = self.task.evaluate(self.model, self.eval_loader, self.accelerator)
         self.backend.after_evaluation(self.model)
         self.log({"step": self.progress.step, "epoch": self.progress.epoch, **result})

@@ -79,6 +79,18 @@ def model_inputs(model, batch: dict) -> dict:
             **attention_inputs(batch, model_config(model)._attn_implementation)}
 
 
+# Data this large takes a while to read through (tens of seconds a GB on one core): the console says what is going on.
+LONG_DATA_BYTES = 10 * 2**20
+
+
+def say_when_long(accelerator: Accelerator, doing: str, *splits: Dataset) -> None:
+    """One line on the main process before a long pass over in-memory data."""
+    size = sum(split.data.nbytes for split in splits)
+    if size >= LONG_DATA_BYTES:
+        rows = sum(len(split) for split in splits)
+        accelerator.print(f"{doing} {rows:,} example(s), {size / 2**20:,.1f} MiB ...")
+
+
 class CausalLM(Task):
     name = "causal-lm"
     metric_name = "perplexity"
@@ -124,6 +136,7 @@ class CausalLM(Task):
         if mixed:
             data = self._mixed_data(loaded, tokenizer, accelerator.process_index)
         else:
+            say_when_long(accelerator, "tokenizing", *raw.values())
             splits, description = main_process_first(accelerator, lambda: self._splits(raw, data_format, tokenizer))
             data = TaskData(splits["train"], splits["validation"], tokenizer, description,
                             collate=self._collate(data_format, tokenizer), data_format=data_format)
@@ -211,6 +224,7 @@ class CausalLM(Task):
             # A resume keeps the run's own; a new run (--overwrite too) trains on its own text.
             resuming = bool(cfg.resume_from_checkpoint) and (tokenizer_dir / "tokenizer.json").is_file()
             if accelerator.is_main_process and not resuming:
+                say_when_long(accelerator, f"training the {cfg.model} tokenizer on", raw_train)
                 save_bpe_tokenizer(raw_train, GPT2_PRESETS[cfg.model]["vocab_size"], tokenizer_dir)
             accelerator.wait_for_everyone()
             tokenizer = load_preset_tokenizer(tokenizer_dir, cfg.model)

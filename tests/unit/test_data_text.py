@@ -92,3 +92,20 @@ def test_each_objective_names_its_own_format_when_the_columns_are_missing(tmp_pa
         with pytest.raises(UsageError, match=says) as caught:
             load_raw_data(str(tmp_path / "qa.jsonl"), data_format, "text", 0.25, 0)
         assert "--text_column" not in str(caught.value)
+
+
+def test_a_long_pass_over_the_data_is_said_before_it_starts(monkeypatch, capsys):
+    """A 23 MB document takes tens of seconds to train a tokenizer on and to
+    tokenize: the console says so first (small data says nothing)."""
+    from finetune.tasks import causal_lm
+
+    class Main:
+        def print(self, line):
+            print(line)
+
+    big = Dataset.from_dict({"text": ["word " * 50_000]})
+    causal_lm.say_when_long(Main(), "tokenizing", big)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(causal_lm, "LONG_DATA_BYTES", 100_000)
+    causal_lm.say_when_long(Main(), "tokenizing", big, big)
+    assert capsys.readouterr().out == "tokenizing 2 example(s), 0.5 MiB ...\n"
