@@ -23,6 +23,7 @@ from finetune.errors import UsageError, first_line
 from finetune.hardware import cpu_has_native_bf16
 from finetune.model_card import CARD, LM_EVAL_RESULTS, refresh_model_card
 from finetune.model_dir import is_own_file, replace_file
+from finetune import json_text
 
 SHIPPED_TASKS = Path(__file__).parent / "lm_eval_tasks"
 
@@ -125,7 +126,7 @@ def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = No
     record["results"].update(scores)
     record["settings"].update({task: settings for task in scores})
     # Files of ours, each replaced whole: never written through a link that stands at its name.
-    replace_file(model_dir / LM_EVAL_RESULTS, json.dumps(record, indent=2))
+    replace_file(model_dir / LM_EVAL_RESULTS, json_text.dumps(record, indent=2))
     if not refresh_model_card(model_dir) and (model_dir / CARD).exists():
         print(f"left {model_dir / CARD} as it is: it is not the card finetune wrote (the scores are in "
               f"{LM_EVAL_RESULTS})", file=sys.stderr)
@@ -133,7 +134,7 @@ def run_benchmarks(model_dir: str | Path, tasks: str, tasks_dir: str | None = No
     if model_dir.name == "final" and is_own_file(summary):
         facts = json.loads(summary.read_text())
         facts["lm_eval"] = record["results"]
-        replace_file(summary, json.dumps(facts, indent=2))
+        replace_file(summary, json_text.dumps(facts, indent=2))
     return {"results": scores, **settings}
 
 

@@ -46,6 +46,7 @@ from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
 from finetune.run_dir import check_run_dir
 from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
+from finetune import json_text
 
 class ModelFilesPolicy(Protocol):
     """What the fine-tuning method adds to a checkpoint's model_config/ and checks on resume."""
@@ -367,7 +368,7 @@ class CheckpointManager:
         if not self.accelerator.is_main_process:
             return
         progress.world_size = self.accelerator.num_processes
-        (tmp / PROGRESS_FILE).write_text(json.dumps({**asdict(progress), **data_state}, indent=2))
+        (tmp / PROGRESS_FILE).write_text(json_text.dumps({**asdict(progress), **data_state}, indent=2))
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from finetune.launch_request import no_deepspeed_engine
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
 from finetune.objectives.rewards import absolute_reward, is_user_code
 from finetune.tasks import REGISTRY
+from finetune import json_text
 
 
 # `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
@@ -552,7 +552,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
         for task, scores in result["results"].items():
             print(f"{task}: {score_line(scores)}")
-        print(json.dumps(result))
+        print(json_text.dumps(result))
         print(cpu_threads_line(threads), file=sys.stderr)
         return 0
     for option in ("tasks_dir", "limit", "num_fewshot"):
@@ -564,7 +564,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     counted = f", {result['num_tokens']:,} tokens" if "num_tokens" in result else ""
     print(f"scored {result['documents']:,} documents ({result['rows']:,} rows{counted}) in {result['batches']:,} "
           f"batches; {notes}")
-    print(json.dumps(result))
+    print(json_text.dumps(result))
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0
 

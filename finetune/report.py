@@ -23,6 +23,7 @@ from finetune.collectives import gather_ints
 from finetune.errors import UsageError
 from finetune.hardware import device_name
 from finetune.host_memory import peak_memory_bytes
+from finetune import json_text
 
 class JSONLTracker(GeneralTracker):
     """metrics.jsonl as an Accelerate tracker: `accelerator.log(values, step)`
@@ -42,7 +43,7 @@ class JSONLTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **flat_names(values)}) + "\n")
+            f.write(json_text.dumps({"step": step, **flat_names(values)}) + "\n")
 
 
 def grouped_names(row: dict) -> dict:
@@ -152,7 +153,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop the rows after `step` (they belong to the part of a run a resume repeats)."""
     if path.is_file():
         kept = [row for row in read_metrics(path) if row["step"] <= step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        path.write_text("".join(json_text.dumps(row) + "\n" for row in kept))
 
 
 def read_evaluations(path: Path) -> list[tuple[int, dict]]:
@@ -164,7 +165,7 @@ def read_evaluations(path: Path) -> list[tuple[int, dict]]:
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in json_text.read_jsonl(path) if isinstance(row.get("step"), int)]
 
 
 def plot_loss(metrics_path: Path, out_path: Path) -> None:
@@ -216,7 +217,7 @@ def summary_markdown(summary: dict, run_dir: Path) -> str:
 
 def write_summary(summary: dict, run_dir: Path) -> None:
     """summary.json, summary.md, and loss.png when there are metrics to plot."""
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(json_text.dumps(summary, indent=2))
     (run_dir / "summary.md").write_text(summary_markdown(summary, run_dir))
     if (run_dir / "metrics.jsonl").is_file():
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")

@@ -40,6 +40,7 @@ from finetune.objectives.rewards import RewardFunction, load_reward_functions, s
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_inputs
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
+from finetune import json_text
 
 # Summed over a step's completion tokens, logged as their means (TRL's names).
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -338,7 +339,7 @@ class GRPOLM(WithReference, CausalLM):
                  **{f"rewards/{r.name}": per_function[i, j].item() for j, r in enumerate(self.rewards)},
                  "advantage": advantages[i].item()} for i, row in enumerate(batch["row"].tolist())]
         with (self.run_dir / COMPLETIONS_FILE).open("a") as out:
-            out.writelines(json.dumps(row) + "\n" for row in rows)
+            out.writelines(json_text.dumps(row) + "\n" for row in rows)
         columns = [name for name in rows[0] if name != "rollout"]
         for tracker in self.accelerator.trackers:
             if hasattr(tracker, "log_table"):
@@ -475,9 +476,9 @@ class RolloutBatches:
         self.task.rollout_metrics = dict(saved.get("metrics", {}))
         samples = self.task.run_dir / COMPLETIONS_FILE
         if self.task.accelerator.is_main_process and samples.is_file():  # rollouts after the checkpoint are redone
-            kept = [line for line in samples.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("rollout", 0) < self.rollouts]
-            samples.write_text("".join(line + "\n" for line in kept))
+            kept = [row for row in json_text.read_jsonl(samples)  # a line cut short by a kill goes too
+                    if isinstance(row.get("rollout"), int) and row["rollout"] < self.rollouts]
+            samples.write_text("".join(json_text.dumps(row) + "\n" for row in kept))
         if not self.uses_left:
             return
         acc, per_rank = self.task.accelerator, saved.get("batches_per_rank", [])
@@ -489,6 +490,33 @@ class RolloutBatches:
             self.buffer = [{k: torch.tensor(v, dtype=torch.float32 if k in FLOAT_KEYS else torch.long,
                                             device=acc.device) for k, v in b.items()}
                            for b in per_rank[acc.process_index]]
-        except (TypeError, ValueError, AttributeError, RuntimeError):
-            raise UsageError("the checkpoint's saved rollout is not one (its tensors do not load); the checkpoint is "
-                             "damaged, resume from an earlier one") from None
+            problem = self._rollout_problem(self.buffer)
+        except (TypeError, ValueError, AttributeError, RuntimeError, OverflowError):
+            problem = "its tensors do not load"
+        if problem:
+            raise UsageError(f"the checkpoint's saved rollout is not one the run made ({problem}); the checkpoint "
+                             "is damaged: resume from an earlier one (--resume_from_checkpoint)")
+
+    def _rollout_problem(self, batches: list[dict]) -> str | None:
+        """What makes saved micro-batches unlike any rollout: keys, shapes, token ids, rows."""
+        if not batches:
+            return "no micro-batch"
+        vocab = self.task.accelerator.unwrap_model(self.task.policy).config.vocab_size
+        needed = {"input_ids", "labels", "attention_mask", "advantages", "completion_length", "row"}
+        needed |= {"old_logps"} if self.iterations > 1 else set()
+        needed |= {"reference_logps"} if self.task.cfg.beta > 0 else set()
+        for batch in batches:
+            if missing := sorted(needed - set(batch)):
+                return f"a micro-batch without {', '.join(missing)}"
+            ids, labels = batch["input_ids"], batch["labels"]
+            if ids.dim() != 2 or not len(ids) or labels.shape != ids.shape or batch["attention_mask"].shape != ids.shape:
+                return f"a micro-batch of token ids shaped {list(ids.shape)}, labels {list(labels.shape)}"
+            if len(batch["advantages"]) != len(ids) or len(batch["row"]) != len(ids):
+                return "advantages or rows that do not match the sequences"
+            if ids.min() < 0 or ids.max() >= vocab or ((labels != IGNORE) & ((labels < 0) | (labels >= vocab))).any():
+                return f"token ids outside the model's vocabulary of {vocab:,}"
+            if batch["row"].min() < 0 or batch["row"].max() >= len(self.task.rows):
+                return "prompt rows the data does not have"
+            if not torch.isfinite(batch["advantages"]).all():
+                return "advantages that are not finite"
+        return None

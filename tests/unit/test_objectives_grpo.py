@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune.config import TrainConfig
+from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
 from finetune.objectives.grpo import GRPOLM
 from tests.sft_models import chat_tokenizer, conversations
@@ -224,3 +225,38 @@ def test_a_sample_of_completions_goes_to_completions_jsonl_and_the_trackers_with
     (name, columns, data, step), = tables
     assert name == "completions" and step == 7 and columns[:3] == ["step", "prompt", "completion"]
     assert [row[2] for row in data] == [r["completion"] for r in rows]
+
+
+def _resuming(tmp_path, rollout: dict, num_iterations: int = 2):
+    """RolloutBatches of a one-rank run with 3 prompt rows and a 10-token vocabulary, resuming `rollout`."""
+    from finetune.objectives.grpo import RolloutBatches
+
+    task = SimpleNamespace(
+        cfg=SimpleNamespace(num_iterations=num_iterations, beta=0.0), rows=[{"prompt": "p"}] * 3, run_dir=tmp_path,
+        rollout_metrics={}, policy=SimpleNamespace(config=SimpleNamespace(vocab_size=10)),
+        accelerator=SimpleNamespace(is_main_process=True, num_processes=1, process_index=0, device="cpu",
+                                    unwrap_model=lambda model: model))
+    batches = RolloutBatches(SimpleNamespace(load_state_dict=lambda state: None), task)
+    batches.load_state_dict({"rollout": {"made": 2, "uses_left": 1, "batches_per_rank": [rollout]}})
+    return batches
+
+
+def test_a_saved_rollout_unlike_any_the_run_made_is_one_line_and_a_cut_line_of_samples_is_dropped(tmp_path):
+    whole = {"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]], "attention_mask": [[1, 1, 1]],
+             "position_ids": [[0, 1, 2]], "advantages": [0.5], "completion_length": [2], "truncated": [0],
+             "row": [1], "old_logps": [[0.0, -1.0, -1.0]]}
+    samples = tmp_path / "completions.jsonl"
+    samples.write_text('{"rollout": 0, "completion": "kept"}\n{"rollout": 2, "completion": "redone"}\n{"rollout": 1, "comp')
+    assert len(_resuming(tmp_path, [whole]).buffer) == 1
+    assert [json.loads(line)["completion"] for line in samples.read_text().splitlines()] == ["kept"]
+    for damage, says in ((lambda b: b.pop("advantages"), "without advantages"),
+                         (lambda b: b.update(input_ids=[[1, 2, 99]]), "outside the model's vocabulary of 10"),
+                         (lambda b: b.update(input_ids=[[1, 2]]), "shaped \\[1, 2\\]"),
+                         (lambda b: b.update(row=[7]), "prompt rows the data does not have"),
+                         (lambda b: b.update(input_ids="x"), "its tensors do not load")):
+        damaged = copy.deepcopy(whole)
+        damage(damaged)
+        with pytest.raises(UsageError, match=f"saved rollout is not one the run made \\(.*{says}"):
+            _resuming(tmp_path, [damaged])
+    with pytest.raises(UsageError, match="no micro-batch"):
+        _resuming(tmp_path, [])
