@@ -100,7 +100,8 @@ def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_
                          "last_eval), or pass --dataset with text to score the model on")
     entry, model, tokenizer = load_model_dir(model_dir)
     if "dataset" in given:  # other data: keep only the run's options that do not name its data's parts
-        recorded = {k: v for k, v in recorded.items() if k not in OF_THE_RUNS_DATA}
+        recorded = {k: v for k, v in recorded.items() if k not in OF_THE_RUNS_DATA
+                    and not (k == "data_format" and v in FORMAT_WORDS)}  # an objective's: the new data's own
     options = {**recorded, **given}
     what = "the run's held-out data" if "dataset" in recorded and "dataset" not in given and not score_split else ""
     if not (held_out or what):  # score the split itself: nothing is split off it

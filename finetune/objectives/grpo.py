@@ -158,7 +158,7 @@ class GRPOLM(WithReference, CausalLM):
 
     # --- data -------------------------------------------------------------------------------------
 
-    def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
+    def _raw_data(self, data_format: str = "", scoring: bool = False) -> tuple[DatasetDict, str]:
         cfg = self.cfg
         raw, found = super()._raw_data("prompt")  # its own format, whatever the columns: its own error
         if found != "prompt":

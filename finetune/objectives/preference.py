@@ -94,7 +94,7 @@ class PreferenceLM(WithReference, CausalLM):
 
     # --- data -------------------------------------------------------------------------------------
 
-    def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
+    def _raw_data(self, data_format: str = "", scoring: bool = False) -> tuple[DatasetDict, str]:
         cfg = self.cfg
         # The embedded default has a set of pairs; other data must turn out to be pairs.
         raw, found = super()._raw_data("preference")  # its own format, whatever the columns: its own error

@@ -23,6 +23,7 @@ from finetune.data.text import LoadedSources, load_raw_data, load_sources, token
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
 from finetune.backends.base import Backend
 from finetune.collectives import broadcast_from_main, check_same_layout, main_process_first
+from finetune.config import FORMAT_WORDS
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
@@ -178,7 +179,7 @@ class CausalLM(Task):
             loaded = load_sources(self.cfg, rank=0, world_size=1)
             rows = MixedRows(loaded, tokenizer, self.cfg)
             return Scored(rows.held_out(), rows.collate, sum(len(held) for held in loaded.validation))
-        raw, data_format = self._raw_data()
+        raw, data_format = self._raw_data(scoring=True)
         rows = self._splits(DatasetDict(validation=raw["validation"]), data_format, tokenizer)[0]["validation"]
         return Scored(rows, self._collate(data_format, tokenizer), len(raw["validation"]))
 
@@ -187,12 +188,17 @@ class CausalLM(Task):
         """Text blocks all have block_size tokens; SFT rows are padded per batch."""
         return None if data_format == "text" else PadCollator(pad_id(tokenizer))
 
-    def _raw_data(self, data_format: str = "") -> tuple[DatasetDict, str]:
+    def _raw_data(self, data_format: str = "", scoring: bool = False) -> tuple[DatasetDict, str]:
+        """The data's splits and format; `scoring`: for `finetune evaluate`, which scores text alone."""
         cfg = self.cfg
         raw, data_format = load_raw_data(cfg.dataset, data_format or cfg.data_format, cfg.text_column,
                                          cfg.validation_split, cfg.seed, config=cfg.dataset_config,
                                          split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          sample_by=cfg.text_sample_by)
+        if scoring and data_format in FORMAT_WORDS:
+            raise UsageError(f"finetune evaluate scores perplexity on text, and --dataset {cfg.dataset} holds "
+                             f"{FORMAT_WORDS[data_format]}, which have none to score; pass text, chat or "
+                             "prompt/completion data")
         if data_format == "preference" and cfg.method == "sft":
             raise UsageError(f"--dataset {cfg.dataset} holds preference pairs (chosen/rejected), which --method sft "
                              "does not train on; pass --method dpo (or simpo)")

@@ -220,3 +220,17 @@ def test_a_batch_of_part_groups_ends_in_one_line(grpo, tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
         assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_of_a_grpo_model_scores_text_and_names_what_prompts_lack(grpo, fp32_run, tmp_path):
+    """The run's own held-out data is prompts: evaluate says so, scores text
+    given with --dataset, and refuses prompt data in its own words (it has no --method)."""
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": f"say {' '.join(WORDS)} {i}"} for i in range(8)])
+    scored = run_in_process("evaluate", fp32_run / "final", "--dataset", texts)
+    check_ok(scored)
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["perplexity"] > 1
+    for extra, says in (([], "whose held-out data (prompts alone (a prompt column)) has no text"),
+                        (["--dataset", grpo["prompts"]], "finetune evaluate scores perplexity on text, and --dataset")):
+        proc = run_in_process("evaluate", fp32_run / "final", *extra)
+        assert proc.returncode == 2 and says in proc.stderr and "--method" not in proc.stderr.split(says)[1], \
+            proc.stderr[-2000:]
