@@ -442,7 +442,9 @@ def _dry_run(cfg: TrainConfig, default_run_dir: bool) -> int:
         run_dir = "a new run dir under outputs/" if default_run_dir else f"run dir {cfg.output_dir}"
         data = ", ".join(cfg.sources)
         print(f"dry run: the options, --model {cfg.model}, --dataset {data}, {run_dir} and the launch "
-              f"({processes} process(es), {backend}) check out; nothing was loaded, trained or written")
+              f"({processes} process(es), {backend}) check out; nothing was loaded, trained or written, so what "
+              "only loading shows is not checked: the data's rows, the weights' shapes"
+              f"{', the reward functions themselves' if cfg.reward_funcs else ''}")
     return 0
 
 

@@ -447,8 +447,10 @@ def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
                and not (name in INPUT_OPTIONS and absolute(str(saved[name])) == value)}  # recorded relative before
     refused = [f"--{name} ({old!r} -> {new!r})" for name, (old, new) in changed.items() if name not in RESUME_MAY_CHANGE]
     if refused:
+        recorded = " ".join(f"--{name} {shlex.join(map(str, old)) if isinstance(old, list) else shlex.quote(str(old))}"
+                            for name, (old, _) in changed.items() if name not in RESUME_MAY_CHANGE)
         raise UsageError(f"a resume cannot change {', '.join(refused)}: the checkpoint was made with the old value; "
-                         "resume without it, or start a new run in another --output_dir")
+                         f"resume with the run's own ({recorded}), or start a new run in another --output_dir")
     return [f"--{name} {old!r} -> {new!r}: {RESUME_MAY_CHANGE[name]}" for name, (old, new) in changed.items()]
 
 

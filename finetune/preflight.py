@@ -15,6 +15,7 @@ from finetune.errors import UsageError, not_a_file
 from finetune.launch_request import check_launch_runs_here
 from finetune.objectives.rewards import check_reward_files
 from finetune.run_dir import check_run_dir
+from finetune.safetensors_index import missing_weight_files
 from finetune.tasks import REGISTRY, check_preset_task, task_of_preset
 
 if TYPE_CHECKING:
@@ -24,9 +25,14 @@ if TYPE_CHECKING:
 def check_before_loading(cfg: TrainConfig) -> None:
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
-    check_model_named(cfg.model, "--model")
+    has_tokenizer = REGISTRY[cfg.task].has_tokenizer
+    check_model_named(cfg.model, "--model", has_tokenizer)
     if cfg.reference_model:
-        check_model_named(cfg.reference_model, "--reference_model")
+        if task_of_preset(cfg.reference_model) is not None:
+            raise UsageError(f"--reference_model {cfg.reference_model} is a preset, built from scratch with random "
+                             "weights: no reference; pass the model dir the policy starts from, or leave it out (the "
+                             "reference is then --model)")
+        check_model_named(cfg.reference_model, "--reference_model", has_tokenizer)
     for source in cfg.sources:
         locate(source, REGISTRY[cfg.task].data_files)
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
@@ -36,14 +42,39 @@ def check_before_loading(cfg: TrainConfig) -> None:
     check_launch_runs_here(cfg.peft, cfg.attn_implementation, cfg.use_liger_kernel)  # last: it imports torch
 
 
-def check_model_named(model: str, option: str) -> None:
+# What save_pretrained writes for a tokenizer (one of them is enough to load it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_model_named(model: str, option: str, has_tokenizer: bool = True) -> None:
     """A value written as a path (./x, /x, ~/x, or with more slashes than a Hub
     id's one) must exist: otherwise the Hub would be asked for it, and fail
-    slower and less clearly."""
-    if task_of_preset(model) is not None or Path(model).exists():
+    slower and less clearly. A local dir must hold what loading reads first:
+    its config, its tokenizer, and every weight file its index names."""
+    path = Path(model).expanduser()
+    if task_of_preset(model) is not None:
+        return
+    presets = f" or a preset ({', '.join(p for entry in REGISTRY.values() for p in entry.presets)})" \
+        if option == "--model" else ""
+    if path.is_dir():
+        check_model_dir_files(path, option, has_tokenizer, presets)
+        return
+    if path.exists():
+        if not model.lower().endswith(".gguf"):
+            raise UsageError(f"{option} {model} is a file, and not a GGUF file; pass a model dir (a config.json and "
+                             f"weights, as save_pretrained writes them), a .gguf file, a Hub id{presets}")
         return
     if model.lower().endswith(".gguf"):
-        raise UsageError(f"{option} {model} {not_a_file(Path(model))}; pass an existing .gguf file")
+        raise UsageError(f"{option} {model} {not_a_file(path)}; pass an existing .gguf file")
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise UsageError(f"{option} {model} does not exist; pass a local HF model dir, a GGUF file, a Hub id or a "
-                         f"preset ({', '.join(p for entry in REGISTRY.values() for p in entry.presets)})")
+        raise UsageError(f"{option} {model} does not exist; pass a local HF model dir, a GGUF file, a Hub id{presets}")
+
+
+def check_model_dir_files(path: Path, option: str, has_tokenizer: bool, presets: str) -> None:
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{option} {path} is not a model directory (no config.json); pass a dir written by "
+                         f"save_pretrained, a GGUF file, a Hub id{presets}")
+    if has_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"{option} {path} has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); save the "
+                         "model's tokenizer into it with save_pretrained")
+    missing_weight_files(path, f"{option} {path}")

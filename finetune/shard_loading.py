@@ -21,11 +21,10 @@ from typing import Callable
 import torch
 from transformers import PretrainedConfig
 
-from finetune.errors import UsageError
+from finetune.safetensors_index import SAFETENSORS_INDEX, indexed_files
 from finetune.model_dir import Weights, tied_duplicates
 from finetune.parameters import canonical_name
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
 # safetensors' names of the dtypes a model file holds.
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -109,24 +108,6 @@ def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
     else:
         return None
     return {name: tensor for file in files for name, tensor in read_header(file).items()}
-
-
-def indexed_files(model_dir: Path) -> list[Path]:
-    """The weight files a model dir's index names: file names in that dir
-    only. The index may come from anyone; a path in it (absolute, ../) would
-    have weights read from anywhere."""
-    index = model_dir / SAFETENSORS_INDEX
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = set(weight_map.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise UsageError(f"{index} is not a safetensors index (a JSON weight_map of tensor names to file names); "
-                         "write the model dir again with save_pretrained") from None
-    for name in sorted(names, key=str):
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise UsageError(f"{index} names the weight file {str(name)[:120]!r}, which is not a file in "
-                             f"{model_dir}; an index names the files beside it: fix it, or write the model dir again")
-    return sorted(model_dir / name for name in names)
 
 
 def base_name(name: str) -> str:

@@ -97,10 +97,9 @@ def check_model_files(model_dir: Path, what: str) -> None:
 
     from safetensors import SafetensorError, safe_open
 
-    from finetune.shard_loading import SAFETENSORS_INDEX, indexed_files
+    from finetune.safetensors_index import missing_weight_files
 
-    if (model_dir / SAFETENSORS_INDEX).is_file():
-        indexed_files(model_dir)  # transformers joins what the index names to the dir, wherever it leads
+    missing_weight_files(model_dir, what)  # (transformers joins what the index names to the dir, wherever it leads)
     safetensors = sorted(model_dir.glob("*.safetensors"))
     for file in safetensors:
         try:

@@ -106,3 +106,13 @@ def test_reward_code_is_taken_from_the_command_line_only(tmp_path):
     assert load_config(path, {"reward_funcs": ["format"]}).reward_funcs == ["format"]
     path.write_text("method: grpo\nreward_funcs: [format]\n")
     assert load_config(path, {}).reward_funcs == ["format"]
+
+
+def test_a_refused_resume_change_names_the_runs_own_value_to_pass():
+    """Leaving a recorded option out is not always possible (a reward function
+    of the user's must be named again): the fix is the run's own value."""
+    from finetune.config import resume_changes
+
+    saved = {**TrainConfig(method="grpo", reward_funcs=["/runs/r.py:score"]).to_dict(), "seed": 7}
+    with pytest.raises(UsageError, match=r"resume with the run's own \(--reward_funcs /runs/r.py:score --seed 7\)"):
+        resume_changes(saved, TrainConfig(method="grpo", reward_funcs=["/elsewhere/r.py:score"]))

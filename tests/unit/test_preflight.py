@@ -75,7 +75,19 @@ def test_bad_paths_end_before_torch_transformers_or_datasets_load(tmp_path):
     (tmp_path / "notes.txt").write_text("some text\n")
     (tmp_path / "a_file").write_text("")
     data = str(tmp_path / "notes.txt")
+    for name, files in (("no_config", {"model.safetensors": ""}), ("no_tokenizer", {"config.json": "{}"}),
+                        ("a_shard_missing", {"config.json": "{}", "tokenizer.json": "{}", "model.safetensors.index.json":
+                                             '{"weight_map": {"w": "model-00001-of-00002.safetensors"}}'})):
+        (tmp_path / name).mkdir()
+        for file, text in files.items():
+            (tmp_path / name / file).write_text(text)
     cases = [
+        (["--dataset", data, "--model", str(tmp_path / "no_config")], "is not a model directory (no config.json)"),
+        (["--dataset", data, "--model", str(tmp_path / "no_tokenizer")], "no_tokenizer has no tokenizer"),
+        (["--dataset", data, "--model", str(tmp_path / "a_shard_missing")],
+         "names model-00001-of-00002.safetensors, which is not in"),
+        (["--dataset", data, "--model", data], "notes.txt is a file, and not a GGUF file"),
+        (["--dataset", data, "--method", "dpo", "--reference_model", "tiny-gpt2"], "is a preset, built from scratch"),
         (["--dataset", str(tmp_path / "none.txt")], "none.txt does not exist"),
         (["--dataset", data, str(tmp_path / "more.jsonl")], "more.jsonl does not exist"),
         (["--dataset", str(tmp_path / "shard-*.jsonl.gz")], "matches no file"),
@@ -147,6 +159,7 @@ def test_a_dry_run_checks_what_train_checks_first_and_writes_nothing(tmp_path):
     assert ok.returncode == 0, ok.stderr
     line, loaded = ok.stdout.strip().splitlines()
     assert line.startswith("dry run: ") and "run dir outputs/run" in line and "nothing was loaded" in line
+    assert line.endswith("what only loading shows is not checked: the data's rows, the weights' shapes")
     assert loaded == "[]" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     bad = subprocess.run([sys.executable, "-m", "finetune", "train", "--model", "tiny-gpt2", "--dataset", "none.txt",
                           "--dry_run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
