@@ -267,8 +267,9 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
                              "with an FSDP or DDP config (fsdp.yaml, hsdp.yaml), or drop --streaming")
         return None, accelerator.prepare(eval_loader)
     if len(data.train) < task.rows_per_batch * data_parallel:
+        held_out = f", hold out less (--validation_split {cfg.validation_split})" if cfg.validation_split else ""
         raise UsageError(f"{len(data.train)} training samples are fewer than one batch on every rank "
-                         f"({task.rows_per_batch} x {data_parallel}); add data or lower "
+                         f"({task.rows_per_batch} x {data_parallel}); add data{held_out} or lower "
                          f"{task.batch_size_options}")
     # Each loader draws from its own generator: a new iterator (every epoch, every
     # evaluation, the first after a resume) would otherwise take a number from

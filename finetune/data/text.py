@@ -123,7 +123,8 @@ def tokenize_and_group(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, blo
             count = sum(len(ids) for ids in tokens[name]["input_ids"])
             # A held-out share too small to make one block: the split is the cause, not the block.
             fix = ("hold out more (a larger --validation_split, or a larger held-out split of the data) or lower "
-                   "--block_size" if name == "validation" else "add text or lower --block_size")
+                   "--block_size" if name == "validation" else "add text, hold out less (a smaller --validation_split) or lower "
+                   "--block_size")
             raise UsageError(f"the {name} text has {count} tokens, fewer than one block of --block_size {block_size}; "
                              f"{fix}")
     return blocks.with_format("torch")
