@@ -72,9 +72,33 @@ def run_data(checkpoint_dir: Path) -> dict | None:
     return data_options(saved, read_progress(checkpoint_dir).world_size) if saved else None
 
 
-def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "float32", overwrite: bool = False,
-                      model: str | None = None, max_shard_size: int = 2 * 10**9, adapter_only: bool = False,
-                      trust_remote_code: bool = False, allow_unverified: bool = False) -> Path:
+# A live run with --keep_last may remove the checkpoint an export reads: the newest is read again, this often.
+PRUNED_RETRIES = 3
+
+
+def export_checkpoint(source: str | Path, output: str | Path, **options) -> Path:
+    """The checkpoint as a HF model dir (see `export_found_checkpoint`). A
+    run dir means its newest complete checkpoint, which a live run may prune
+    while it is read: then the new newest is read, and nothing is blamed on the
+    files that vanished."""
+    for attempt in range(PRUNED_RETRIES + 1):
+        backend, weights = find_model_weights(source)
+        try:
+            return export_found_checkpoint(source, backend, weights, output, **options)
+        except (UsageError, OSError):
+            if weights.parent.exists():
+                raise
+            if attempt == PRUNED_RETRIES or not (Path(source) / "checkpoints").is_dir():
+                raise UsageError(f"{weights.parent} was removed while it was read (a live run with --keep_last "
+                                 f"prunes its older checkpoints); export again, or pass a checkpoint the run "
+                                 "keeps") from None
+    raise AssertionError("unreachable")
+
+
+def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path, output: str | Path,
+                            dtype: str = "float32", overwrite: bool = False, model: str | None = None,
+                            max_shard_size: int = 2 * 10**9, adapter_only: bool = False,
+                            trust_remote_code: bool = False, allow_unverified: bool = False) -> Path:
     """The checkpoint as a HF model dir, as the fine-tuning method that wrote
     it saves its model (adapters merged into their base), or (adapter_only)
     the adapters alone. `trust_remote_code` is the command line's: the run's
@@ -84,7 +108,6 @@ def export_checkpoint(source: str | Path, output: str | Path, dtype: str = "floa
     output = Path(output)
     check_not_inside(output, Path(source))
     check_output_dir(output, overwrite)  # before the (possibly long) merge
-    backend, weights = find_model_weights(source)
     checkpoint_dir = weights.parent
     # What the export reads, against the checksums the checkpoint recorded.
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR), allow_unverified=allow_unverified)
