@@ -40,7 +40,7 @@ from finetune.collectives import WriteFailed, on_every_rank
 from finetune.config import TrainConfig, resume_changes
 from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
 from finetune.data.stream import DataState, EpochBatches, StreamBatches
-from finetune.errors import UsageError, write_failure_fix
+from finetune.errors import UsageError, missing_or_odd, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
@@ -112,6 +112,9 @@ def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
             raise UsageError(no_checkpoint_message(Path(run_dir)))
         return found[-1]
     path = Path(spec)
+    if not path.is_dir():
+        raise UsageError(f"--resume_from_checkpoint {spec} {missing_or_odd(path)}, not a checkpoint dir; pass a "
+                         "checkpoints/step_NNNNNN dir, 'latest' or 'auto'")
     if not (path / PROGRESS_FILE).is_file():
         raise UsageError(f"{spec} is not a checkpoint of this tool (no {PROGRESS_FILE}); "
                          "pass a checkpoints/step_NNNNNN dir or 'latest'")

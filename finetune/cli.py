@@ -23,7 +23,7 @@ from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWH
                              LORA_LEARNING_RATE, PEFT_METHODS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
-from finetune.errors import NotDistributed, RankLost, Stopped, UsageError
+from finetune.errors import NotDistributed, RankLost, Stopped, UsageError, missing_or_odd
 from finetune.launch_request import no_deepspeed_engine
 from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
 from finetune.objectives.rewards import absolute_reward, is_user_code
@@ -456,7 +456,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     run_config = Path(args.run_dir) / "run_config.yaml"
     if not run_config.is_file():
-        raise UsageError(f"{args.run_dir} is not a run directory (no run_config.yaml); pass the --output_dir of a run")
+        what = "is not a run directory (no run_config.yaml)" if Path(args.run_dir).is_dir() else \
+            f"{missing_or_odd(args.run_dir)}, not a run directory"
+        raise UsageError(f"{args.run_dir} {what}; pass the --output_dir of a run")
     try:
         recorded = yaml.safe_load(run_config.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError):

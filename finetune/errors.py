@@ -17,6 +17,8 @@ a process ended by that signal.
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 
@@ -45,7 +47,18 @@ def first_line(error: BaseException) -> str:
 
 def not_a_file(path: str | Path) -> str:
     """Why a path the user named as a file cannot be read as one."""
-    return "is a directory, not a file" if Path(path).is_dir() else "does not exist"
+    return "is a directory, not a file" if Path(path).is_dir() else missing_or_odd(path)
+
+
+def missing_or_odd(path: str | Path) -> str:
+    """Why a path that is neither the file nor the dir wanted is not there: it
+    may exist as something else (a dangling link, a FIFO, a socket)."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"is a link to {os.readlink(path)}, which does not exist"
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return "is not a regular file (a FIFO, socket or device)"
+    return "is a file" if path.is_file() else "does not exist"
 
 
 # What the OS says when a write fails, and what to do about it: the fix follows the cause.

@@ -19,7 +19,7 @@ import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's co
 
 from finetune.model_dir import MODEL_CONFIG_DIR
 from finetune.config import data_options, load_config
-from finetune.errors import UsageError, why_it_cannot_be_made, write_failure_fix
+from finetune.errors import UsageError, missing_or_odd, why_it_cannot_be_made, write_failure_fix
 from finetune.model_card import checkpoint_record, write_model_card
 from finetune.model_dir import check_output_dir, read_generation_config, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
@@ -41,7 +41,7 @@ def find_model_weights(path: str | Path) -> tuple[Backend, Path]:
 
     path = Path(path)
     if not path.is_dir():
-        what = "is a file" if path.exists() else "does not exist"
+        what = missing_or_odd(path)
         raise UsageError(f"{path} {what}; pass a run dir or a checkpoints/step_NNNNNN dir")
     if (path / "checkpoints").is_dir():
         found = complete_checkpoints(path)

@@ -13,7 +13,7 @@ import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Au
 from finetune.config import DATA_OPTIONS, FORMAT_WORDS, TrainConfig
 from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.data.templates import check_chat_template
-from finetune.errors import UsageError
+from finetune.errors import UsageError, missing_or_odd
 from finetune.model_dir import read_run_data
 from finetune.models import check_model_files
 from finetune.models.gguf import converted_dir, is_gguf
@@ -25,7 +25,11 @@ def load_model_dir(model_dir: str):
     if is_gguf(model_dir):
         model_dir = str(converted_dir(model_dir))
     elif not Path(model_dir).exists() and (model_dir.startswith((".", "/", "~")) or model_dir.count("/") > 1):
-        raise UsageError(f"{model_dir} does not exist; pass the output of `finetune export` or a run's final/")
+        raise UsageError(f"{model_dir} {missing_or_odd(model_dir)}; pass the output of `finetune export` or a run's "
+                         "final/")
+    elif Path(model_dir).exists() and not Path(model_dir).is_dir():
+        raise UsageError(f"{model_dir} {missing_or_odd(model_dir)}, not a model dir or a .gguf file; pass the output "
+                         "of `finetune export` or a run's final/")
     if Path(model_dir).is_dir():
         check_model_files(Path(model_dir), str(model_dir))
     try:

@@ -23,3 +23,17 @@ def test_a_failed_write_gets_the_fix_of_its_cause():
         assert fix == f"move aside what is already in the way under {where}", code
         assert "free space" not in fix
     assert "free space" not in write_failure_fix("CheckpointException: something else", where)
+
+
+def test_a_path_that_is_there_as_something_else_is_never_said_not_to_exist(tmp_path):
+    import os
+
+    from finetune.errors import missing_or_odd, not_a_file
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    os.mkfifo(tmp_path / "fifo")
+    assert missing_or_odd(tmp_path / "notes.txt") == "is a file"
+    assert missing_or_odd(tmp_path / "dangling") == f"is a link to {tmp_path / 'gone'}, which does not exist"
+    assert missing_or_odd(tmp_path / "fifo") == "is not a regular file (a FIFO, socket or device)"
+    assert missing_or_odd(tmp_path / "none") == "does not exist" and not_a_file(tmp_path) == "is a directory, not a file"
