@@ -254,11 +254,18 @@ def rank_warning(accelerator, message: str) -> None:
     print(f"[rank {accelerator.process_index}] warning: {message}", file=sys.stderr, flush=True)
 
 
+def console_width() -> int | None:
+    """COLUMNS, else the terminal's width; None when the output is a file or a pipe (no width to keep to)."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 def step_line(row: dict, total_steps: int, throughput_key: str, width: int | None = None) -> str:
-    """One line per logged step, within the terminal's `width` (COLUMNS, else
-    the terminal's, else 120): an objective's or a mixture's own metrics as
-    many as fit, in their order, the rest counted (metrics.jsonl has them all)."""
-    width = width or shutil.get_terminal_size((120, 24)).columns
+    """One line per logged step, within the console's `width`: an objective's
+    or a mixture's own metrics as many as fit, in their order, the rest
+    counted (metrics.jsonl has them all). Written to a file or a pipe, all of them."""
+    width = width or console_width() or 1 << 30
     unit = throughput_key.removesuffix("_per_sec")
     line = (f"step {row['step']}/{total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.3e}  "
             f"grad_norm {row['grad_norm']:.3f}  {unit}/s {row[throughput_key]:,.0f}")

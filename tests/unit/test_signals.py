@@ -39,7 +39,7 @@ def test_each_objective_names_its_own_checks():
     assert metrics(model="tiny-gpt2", method="grpo", reward_funcs=["format"]) == ["grad_norm", "frac_reward_zero_std"]
 
 
-def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest():
+def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest(monkeypatch):
     from finetune.report import step_line
 
     row = {"step": 3, "epoch": 0, "loss": 0.5, "lr": 1e-5, "grad_norm": 0.25, "step_time_s": 1.0,
@@ -51,3 +51,7 @@ def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest():
         shown = line.count("  reward") + line.count("  frac_reward")
         assert line.endswith(f"  (+{15 - shown} more)") and (width < 120 or shown >= 2), line
     assert "more)" not in step_line(row, 10, "tokens_per_sec", width=1000)
+    monkeypatch.setenv("COLUMNS", "100")
+    assert len(step_line(row, 10, "tokens_per_sec")) <= 100
+    monkeypatch.delenv("COLUMNS")  # pytest's output is no terminal: a log keeps every metric
+    assert "more)" not in step_line(row, 10, "tokens_per_sec") and "rewards/fn11/mean" in step_line(row, 10, "tokens_per_sec")
