@@ -60,13 +60,16 @@ class Source:
     held_out: float = 0.0              # the fraction of its rows kept for evaluation (by content), skipped here
 
 
+def row_digest(row) -> bytes:
+    return hashlib.blake2b(json.dumps(row, sort_keys=True, default=str).encode(), digest_size=8).digest()
+
+
 def is_held_out(row: dict, fraction: float) -> bool:
     """Whether a streamed row is held out for evaluation: decided by a hash of
     its content, the same on every rank, every pass and every resume."""
     if fraction <= 0:
         return False
-    digest = hashlib.blake2b(json.dumps(row, sort_keys=True, default=str).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+    return int.from_bytes(row_digest(row), "little") / 2**64 < fraction
 
 
 class DataReadError(UsageError):
@@ -319,12 +322,17 @@ class RowStream:
         chunk_state, examples = state, []
         picks = Picks([s.weight for s in self.sources], self.seed, self.rank, data_pass)
         for chunk_state, examples in self._encoded_chunks(readers, picks, state):
+            if position is not None:  # the chunk read again must be the one the position was saved in
+                self.check_same_chunk(position["chunk"], chunk_state)
+                position = None
             for used in range(skip, len(examples)):
                 if examples[used] is not None:
                     builder.add(examples[used])
                 while (row := builder.pop()) is not None:
                     yield row, {"chunk": chunk_state, "used": used + 1, "builder": builder.state_dict()}
             skip = 0
+        if position is not None:  # the chunk the position was saved in is not there to read again
+            self.check_same_chunk(position["chunk"], {})
         builder.end_of_pass()
         while (row := builder.pop()) is not None:
             yield row, {"chunk": chunk_state, "used": len(examples), "builder": builder.state_dict()}
@@ -343,6 +351,16 @@ class RowStream:
             raise UsageError(f"the checkpoint's stream position is not one this data can take (its chunk of {n} "
                              f"source(s) or the {CHUNK} examples it used); the checkpoint is damaged: resume from an "
                              "earlier one")
+
+    @staticmethod
+    def check_same_chunk(saved: dict, read: dict) -> None:
+        """A position beyond what its source holds (an example index past a
+        shard's end) or data changed under it reads other rows: refused, not
+        trained on. Positions saved before the digest existed are not checked."""
+        if "first_row" in saved and saved["first_row"] != read.get("first_row"):
+            raise UsageError("the checkpoint's stream position does not lead to the rows it was saved at (its "
+                             "example index is past the data, or the data changed); the checkpoint is damaged or "
+                             "its data is not the same: resume from an earlier checkpoint, with the run's own data")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -393,8 +411,8 @@ class RowStream:
                 state["picked"] += 1
                 state["numbers"][source] += read
                 raw.append((source, state["numbers"][source], row))
-            if raw:
-                yield before, raw
+            if raw:  # the chunk's first row, by content: what a resume from `before` must read first
+                yield {**before, "first_row": row_digest(raw[0][2]).hex()}, raw
             if ended:
                 return
 

@@ -90,6 +90,8 @@ def test_grpo_learns_under_fsdp_and_its_export_scores_higher(grpo, tmp_path, env
         assert all(name in row for row in rows), name
     assert "kl" not in rows[0]  # no KL term by default (beta 0, TRL's)
     assert "  reward " in proc.stdout and "rewards/a_rich/mean" in proc.stdout  # on the console line too
+    # The closing sample answers a held-out prompt of the run's own, through the chat template.
+    assert re.search(r"fine-tuned model's answer to the held-out prompt 'say [a-z ]+': '", proc.stdout), proc.stdout[-1500:]
     first, last = (sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
     assert last > first + 0.2, [round(r["reward"], 3) for r in rows]
     summary = json.loads((run / "summary.json").read_text())

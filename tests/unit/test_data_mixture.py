@@ -99,3 +99,38 @@ def test_one_huge_document_is_cut_into_blocks_in_linear_time():
     assert rows[0]["source_tokens"] == [6, 10] and rows[0]["source_examples"] == [1, 1]
     assert rows[1]["source_tokens"] == [16, 0] and rows[1]["source_examples"] == [0, 0]
     assert seconds < 5, seconds
+
+
+def test_a_stream_position_past_the_data_or_on_other_data_is_refused_not_trained_on(tmp_path):
+    """A position is resumed by reading its chunk again from the readers'
+    saved states: an example index past a shard's end (or changed data) reads
+    other rows, which the chunk's first-row digest tells apart."""
+    import copy
+    import json
+
+    import pytest
+    from datasets import load_dataset
+
+    from finetune.data.mixture import CHUNK, Encoder, RowStream, Source
+    from finetune.errors import UsageError
+    from sft_models import chat_tokenizer
+
+    docs = [{"text": f"document {i} " + "word " * (i % 7 + 3)} for i in range(3 * CHUNK)]
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    sources = [Source("notes.jsonl", 1.0, "text", lambda: load_dataset(
+        "json", data_files=str(tmp_path / "notes.jsonl"), split="train", streaming=True))]
+    encoder = Encoder(chat_tokenizer([d["text"] for d in docs[:50]]), sources, 16, False, "truncate", pieces=False)
+    stream = RowStream(sources, encoder, "blocks", 16, "first_exhausted", seed=0, rank=0)
+    rows = stream.rows(0)
+    for _ in range(CHUNK // 2 + 40):  # into the second chunk
+        _, position = next(rows)
+    expected = [row for row, _ in zip((r for r, _ in stream.rows(0, copy.deepcopy(position))), range(5))]
+    assert expected == [next(rows)[0] for _ in range(5)]  # the same rows on from the position
+    past_the_end = copy.deepcopy(position)
+    reader = past_the_end["chunk"]["readers"][0]
+    while "previous_state" not in reader:  # datasets' nesting: the rebatched reader resumes from previous_state
+        reader = reader["examples_iterable"]
+    reader["previous_state"]["shard_example_idx"] = 10**9
+    with pytest.raises(UsageError, match="stream position does not lead to the rows it was saved at"):
+        for _ in zip(stream.rows(0, past_the_end), range(10 * CHUNK)):  # past the rows the builder held
+            pass
