@@ -255,9 +255,7 @@ def rank_warning(accelerator, message: str) -> None:
 
 
 def console_width() -> int | None:
-    """COLUMNS, else the terminal's width; None when the output is a file or a pipe (no width to keep to)."""
-    if os.environ.get("COLUMNS", "").isdigit():
-        return int(os.environ["COLUMNS"])
+    """The terminal's width (COLUMNS first); None when the output is a file or a pipe (no width to keep to)."""
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 

@@ -51,7 +51,15 @@ def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest(monkeypatch):
         shown = line.count("  reward") + line.count("  frac_reward")
         assert line.endswith(f"  (+{15 - shown} more)") and (width < 120 or shown >= 2), line
     assert "more)" not in step_line(row, 10, "tokens_per_sec", width=1000)
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
     monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "stdout", Terminal())
     assert len(step_line(row, 10, "tokens_per_sec")) <= 100
-    monkeypatch.delenv("COLUMNS")  # pytest's output is no terminal: a log keeps every metric
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a file or a pipe, whatever COLUMNS says: every metric
     assert "more)" not in step_line(row, 10, "tokens_per_sec") and "rewards/fn11/mean" in step_line(row, 10, "tokens_per_sec")
