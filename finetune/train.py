@@ -54,7 +54,7 @@ from finetune.profiling import StepProfiler
 from finetune.signals import NoSignalWatch
 from finetune.run_dir import failed_start, has_results, starts_afresh
 from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
-                             read_evaluations, say, step_line, truncate_metrics, write_summary)
+                             read_evaluations, read_metrics, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
 from finetune.tasks.base import Task, TaskData, build_task
@@ -157,10 +157,12 @@ def train(cfg: TrainConfig) -> dict:
                 empty_run_dir(run_dir)
             return run_to_the_end(setup_run(cfg, task, accelerator, backend, stop, heartbeats, host))
     except BaseException as e:
-        # Whatever fails before the first checkpoint (bad input, a reward, the
-        # first forward) leaves nothing in the way of the same command again:
-        # only a dir that held nothing to keep, and that this run locked.
-        if afresh and lock.taken and accelerator.is_main_process and not has_results(run_dir):
+        # Whatever fails before the first step (bad input, a reward, the first
+        # forward) leaves no run dir: only a dir that held nothing to keep, and
+        # that this run locked. One that trained keeps its logs, and is a failed
+        # start (run_dir.failed_start) until its first checkpoint: not in the way.
+        if afresh and lock.taken and accelerator.is_main_process and not has_results(run_dir) \
+                and not any("loss" in row for row in read_metrics(run_dir / "metrics.jsonl")):
             remove_new_run_dir(run_dir, new_parents, keep_dir=not new_dir)
         if isinstance(e, RuntimeError) and is_collective_timeout(e):
             raise heartbeats.lost(e) from None
