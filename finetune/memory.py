@@ -86,6 +86,8 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
         try:
             source = converted_dir(name_or_path) if is_gguf(name_or_path) else name_or_path
             config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        except UsageError:
+            raise
         except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class)
             raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
                              "pass a preset, a local HF model dir or a reachable Hub id") from None

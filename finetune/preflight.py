@@ -26,7 +26,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
     check_run_dir(cfg)
     check_preset_task(cfg.model, cfg.task)
     has_tokenizer = REGISTRY[cfg.task].has_tokenizer
-    check_model_named(cfg.model, "--model", has_tokenizer)
+    check_model_named(cfg.model, "--model", has_tokenizer, REGISTRY[cfg.task].presets)
     if cfg.reference_model:
         if task_of_preset(cfg.reference_model) is not None:
             raise UsageError(f"--reference_model {cfg.reference_model} is a preset, built from scratch with random "
@@ -46,7 +46,7 @@ def check_before_loading(cfg: TrainConfig) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def check_model_named(model: str, option: str, has_tokenizer: bool = True) -> None:
+def check_model_named(model: str, option: str, has_tokenizer: bool = True, presets: tuple[str, ...] = ()) -> None:
     """A value written as a path (./x, /x, ~/x, or with more slashes than a Hub
     id's one) must exist: otherwise the Hub would be asked for it, and fail
     slower and less clearly. A local dir must hold what loading reads first:
@@ -54,8 +54,7 @@ def check_model_named(model: str, option: str, has_tokenizer: bool = True) -> No
     path = Path(model).expanduser()
     if task_of_preset(model) is not None:
         return
-    presets = f" or a preset ({', '.join(p for entry in REGISTRY.values() for p in entry.presets)})" \
-        if option == "--model" else ""
+    presets = f" or a preset ({', '.join(presets)})" if presets else ""
     if path.is_dir():
         check_model_dir_files(path, option, has_tokenizer, presets)
         return

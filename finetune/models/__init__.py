@@ -162,6 +162,8 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option
         check_model_files(path, f"{option} {name_or_path}")
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001  (a damaged config.json fails anywhere in its class: OSError, a field's type, ...)
         raise UsageError(f"could not load {option} {name_or_path} ({first_line(e)}); pass a local HF model dir, "
                          f"a reachable Hub id{f', or a preset ({presets})' if presets else ''}") from None
