@@ -34,7 +34,7 @@ def test_a_new_shell_finds_the_commands_only_after_the_readme_says_how(tmp_path,
     puts `accelerate` and `finetune` on its PATH."""
     readme = (REPO / "README.md").read_text()
     source = next(c for c in docs_commands() if c.startswith("source "))
-    assert readme.index(source) < readme.index("accelerate launch")
+    assert readme.index(source) < readme.index("```bash\naccelerate launch")  # before the first command that needs it
     (tmp_path / ".venv").symlink_to(sys.prefix)
     find = "command -v accelerate && command -v finetune"
     shell = new_shell_env(env)
