@@ -81,6 +81,8 @@ def export_checkpoint(source: str | Path, output: str | Path, **options) -> Path
     run dir means its newest complete checkpoint, which a live run may prune
     while it is read: then the new newest is read, and nothing is blamed on the
     files that vanished."""
+    check_not_inside(Path(output), Path(source))
+    check_output_dir(Path(output), options.get("overwrite", False))  # before the (possibly long) merge
     for attempt in range(PRUNED_RETRIES + 1):
         backend, weights = find_model_weights(source)
         try:
@@ -106,8 +108,6 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
     from finetune.peft import method_of_checkpoint
 
     output = Path(output)
-    check_not_inside(output, Path(source))
-    check_output_dir(output, overwrite)  # before the (possibly long) merge
     checkpoint_dir = weights.parent
     # What the export reads, against the checksums the checkpoint recorded.
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR), allow_unverified=allow_unverified)

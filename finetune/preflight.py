@@ -55,6 +55,8 @@ def check_model_named(model: str, option: str, has_tokenizer: bool = True, prese
     if task_of_preset(model) is not None:
         return
     presets = f" or a preset ({', '.join(presets)})" if presets else ""
+    if model.lower().endswith(".gguf") and not path.is_file():
+        raise UsageError(f"{option} {model} {not_a_file(path)}; pass an existing .gguf file")
     if path.is_dir():
         check_model_dir_files(path, option, has_tokenizer, presets)
         return
@@ -63,8 +65,6 @@ def check_model_named(model: str, option: str, has_tokenizer: bool = True, prese
             raise UsageError(f"{option} {model} is a file, and not a GGUF file; pass a model dir (a config.json and "
                              f"weights, as save_pretrained writes them), a .gguf file, a Hub id{presets}")
         return
-    if model.lower().endswith(".gguf"):
-        raise UsageError(f"{option} {model} {not_a_file(path)}; pass an existing .gguf file")
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise UsageError(f"{option} {model} does not exist; pass a local HF model dir, a GGUF file, a Hub id{presets}")
 

@@ -428,7 +428,7 @@ def test_bad_preference_input_is_one_line(models, tmp_path):
     base = ["train", "--model", str(policy), *QUIET, "--max_steps", "1"]
     cases = [
         (["--dataset", str(data)], "holds preference pairs (chosen/rejected), which --method sft"),
-        (["--method", "dpo", "--dataset", str(text)], "holds text data; give it chosen/rejected"),
+        (["--method", "dpo", "--dataset", str(text)], "trains on preference pairs (chosen/rejected), and --dataset"),
         (["--method", "dpo", "--dataset", str(same)], ": chosen and rejected are the same"),
         (["--dpo_loss", "ipo", "--dataset", str(data)], "--dpo_loss applies to --method dpo"),
         (["--method", "dpo", "--peft", "lora", "--reference_model", str(reference), "--dataset", str(data)],

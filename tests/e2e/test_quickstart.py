@@ -53,7 +53,8 @@ def test_quickstart_instruction_tunes_the_real_model(smollm2, tmp_path, env):
     assert after < before
     assert re.search(r"fine-tuned model's answer to 'What does the Python .*': '\S", out.split("validation perplexity")[1]), out
     # From a new shell (no venv entered): the line that enters the venv for the README's later commands.
-    assert f"first: source {sys.prefix}/bin/activate" in out.splitlines()[-1]
+    venv = ".venv" if Path(sys.prefix).resolve() == (REPO / ".venv").resolve() else sys.prefix
+    assert out.splitlines()[-1].endswith(f"first: source {venv}/bin/activate"), out.splitlines()[-1]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["distributed_type"] == "FSDP" and summary["world_size"] == 2 and summary["data_format"] == "chat"
