@@ -44,7 +44,7 @@ from finetune.errors import UsageError, missing_or_odd, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
-from finetune.run_dir import check_run_dir
+from finetune.run_dir import CHECKPOINT_PREFIX, check_run_dir, checkpoint_dirs
 from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
 from finetune import json_text
 
@@ -57,7 +57,7 @@ class ModelFilesPolicy(Protocol):
 
 
 PROGRESS_FILE = "training_progress.json"
-PREFIX = "step_"
+PREFIX = CHECKPOINT_PREFIX
 FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
 
@@ -79,15 +79,8 @@ def checkpoint_step(checkpoint_dir: Path) -> int:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first. Temporary dirs are never
-    listed, and neither are symlinks: a link may point outside the run, and
-    pruning must never delete through one."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=checkpoint_step)
+    """Complete checkpoints of a run, oldest first (see run_dir.checkpoint_dirs)."""
+    return sorted(checkpoint_dirs(run_dir), key=checkpoint_step)
 
 
 def no_checkpoint_message(run_dir: Path) -> str:

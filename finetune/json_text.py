@@ -26,9 +26,14 @@ def dumps(value: Any, **options) -> str:
 
 def read_jsonl(path) -> list[dict]:
     """The rows of a JSON Lines file we wrote, without a line cut short by a
-    kill mid-write (or any other line that is not a whole JSON object)."""
+    kill mid-write (or any other line that is not a whole JSON object); none
+    when the file is missing or unreadable."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
     rows = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in lines:
         try:
             row = json.loads(line)
         except ValueError:

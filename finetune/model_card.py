@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune import json_text
 from finetune.model_dir import is_own_file, read_json_object, replace_file
 from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
@@ -88,7 +89,7 @@ def checkpoint_record(checkpoint_dir: Path) -> RunRecord | None:
     summary = read_json_object(run_dir / "summary.json")
     if summary.get("steps") == progress.step:
         return RunRecord(config, summary, run_dir / "loss.png" if (run_dir / "loss.png").is_file() else None)
-    evaluations = {row["step"]: row for row in metrics_rows(run_dir / "metrics.jsonl") if "eval_loss" in row}
+    evaluations = {row["step"]: row for row in json_text.read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in row}
     metric = next((name for name in ("perplexity", "accuracy") for row in evaluations.values() if name in row), None)
     facts = {"steps": progress.step, "world_size": progress.world_size, "metric": metric,
              "first_eval": evaluations.get(0), "last_eval": evaluations.get(progress.step)}
@@ -239,22 +240,6 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
         lines += ["## Usage", "", *(adapter_usage(model_dir, base) if adapters_only else
                                     usage(model_dir, getattr(config, "model_type", "") in FAMILIES)), ""]
     return "\n".join(lines)
-
-
-def metrics_rows(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def write_model_card(model_dir: Path, config, record: RunRecord | None) -> Path:

@@ -163,8 +163,6 @@ def read_evaluations(path: Path) -> list[tuple[int, dict]]:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
     return [row for row in json_text.read_jsonl(path) if isinstance(row.get("step"), int)]
 
 

@@ -49,10 +49,21 @@ def failed_start(run_dir: Path) -> bool:
 
 
 def has_results(run_dir: Path) -> bool:
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(p.name.startswith("step_") and p.name[5:].isdigit() for p in checkpoints.iterdir()):
-        return True
-    return any((run_dir / name).exists() for name in RESULTS[1:])
+    return bool(checkpoint_dirs(run_dir)) or any((run_dir / name).exists() for name in RESULTS[1:])
+
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of a run, in no order. Temporary dirs are
+    never listed, and neither are symlinks: a link may point outside the run,
+    and pruning must never delete through one."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name.startswith(CHECKPOINT_PREFIX)
+            and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
 
 
 def starts_afresh(run_dir: Path) -> bool:

@@ -45,13 +45,3 @@ def zero_gradient(steps: int = 5) -> NoSignal:
     return NoSignal("grad_norm", lambda v: v == 0.0, steps,
                     "no parameter is changing; check that the loss reaches the trained parameters (--peft and its "
                     "targets, frozen layers) and that the data has targets (labels that are not all masked)")
-
-
-class NoSignalWatch:
-    """The task's checks over a run."""
-
-    def __init__(self, checks: list[NoSignal]):
-        self.checks = checks
-
-    def lines(self, step: int, metrics: dict[str, float]) -> list[str]:
-        return [line for check in self.checks if (line := check.update(step, metrics))]

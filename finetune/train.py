@@ -51,7 +51,7 @@ from finetune.model_card import RunRecord, write_model_card
 from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
-from finetune.signals import NoSignalWatch
+from finetune.signals import NoSignal
 from finetune.run_dir import failed_start, has_results, starts_afresh
 from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, read_metrics, say, step_line, truncate_metrics, write_summary)
@@ -93,7 +93,7 @@ class Run:
     plain_logs: bool = False                                      # a line per logged step instead of a bar
     cpu_threads: int = 1                                          # torch's threads in each process
     bar: tqdm = field(default_factory=lambda: tqdm(disable=True))  # fit() shows the real one
-    watch: NoSignalWatch = field(default_factory=lambda: NoSignalWatch([]))  # fit() sets the task's checks
+    no_signal: list[NoSignal] = field(default_factory=list)  # the task's checks; fit() sets them
     profiler: StepProfiler = field(default_factory=lambda: StepProfiler(0, Path(), 0))
 
     @property
@@ -345,7 +345,7 @@ def trainable_params(model: torch.nn.Module) -> int:
 
 def fit(run: Run) -> None:
     run.model.train()  # from_pretrained returns a model in eval mode: dropout off
-    run.watch = NoSignalWatch(run.task.no_signal_checks())
+    run.no_signal = run.task.no_signal_checks()
     start = time.perf_counter()
     with tqdm(total=run.total_steps, initial=run.progress.step, desc="training", dynamic_ncols=True,
               disable=run.plain_logs or not run.accelerator.is_main_process) as run.bar, \
@@ -430,8 +430,9 @@ def after_step(run: Run, result: StepResult) -> None:
         run.log(row)
         if run.plain_logs:
             say(run.accelerator, step_line(row, run.total_steps, run.task.throughput_key))
-    for warning in run.watch.lines(progress.step, {"grad_norm": result.grad_norm, **result.metrics}):
-        say(run.accelerator, warning)
+    for check in run.no_signal:
+        if warning := check.update(progress.step, {"grad_norm": result.grad_norm, **result.metrics}):
+            say(run.accelerator, warning)
     run.profiler.step()
     run.bar.update(1)
     run.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{result.lr:.2e}", **{run.task.throughput_key: f"{throughput:,.0f}"})

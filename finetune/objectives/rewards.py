@@ -179,6 +179,8 @@ def _first_line(e: BaseException) -> str:
 
 # A reward beyond this overflows the float32 sums of a group's mean and std.
 LARGEST_REWARD = 1e30
+# A reward still running this long after a stop signal is not waited for.
+STOP_GRACE_S = 10.0
 
 
 def score(functions: list[RewardFunction], prompts: list, completions: list, completion_ids: list[list[int]],
@@ -269,7 +271,3 @@ def _call(reward: RewardFunction, inputs: dict, timeout_s: float) -> Any:
 
 async def _awaited(awaitable):
     return await awaitable
-
-
-# A reward still running this long after a stop signal is not waited for.
-STOP_GRACE_S = 10.0

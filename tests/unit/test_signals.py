@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from finetune.signals import NoSignal, NoSignalWatch, zero_gradient
+from finetune.signals import NoSignal, zero_gradient
+
+
+class NoSignalWatch:
+    """The loop's use of a task's checks (train.after_step): each step's warnings."""
+
+    def __init__(self, checks: list[NoSignal]):
+        self.checks = checks
+
+    def lines(self, step: int, metrics: dict[str, float]) -> list[str]:
+        return [line for check in self.checks if (line := check.update(step, metrics))]
 
 
 def test_a_streak_warns_once_when_it_reaches_its_length_and_a_break_restarts_it():
