@@ -3,6 +3,8 @@ shards, DDP, activation checkpointing, torch.compile, ZeRO-3 partitions)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # Modules that wrappers put into live parameter names but that saved state
@@ -18,6 +20,13 @@ def canonical_name(name: str) -> str:
     if parts[:1] == ["module"]:
         parts = parts[1:]
     return ".".join(parts)
+
+
+def base_model_name(name: str) -> str:
+    """A name under peft's adapter wrappers as the base model calls it: without
+    `base_model.model.` and each `.base_layer` (nested where one module has
+    several adapted parameters)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("base_model.model."))
 
 
 def local_numel(param: torch.Tensor) -> int:

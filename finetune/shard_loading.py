@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from finetune.safetensors_index import SAFETENSORS_INDEX, indexed_files
 from finetune.model_dir import Weights, tied_duplicates
-from finetune.parameters import canonical_name
+from finetune.parameters import base_model_name, canonical_name
 
 SAFETENSORS_FILE = "model.safetensors"
 # safetensors' names of the dtypes a model file holds.
@@ -113,9 +113,7 @@ def stored_tensors(model_dir: Path) -> dict[str, StoredTensor] | None:
 def base_name(name: str) -> str:
     """A live parameter's name as the pretrained model's own: without the
     wrappers (canonical_name) and without the adapter wrapper's `base_model.model.` and `.base_layer`."""
-    name = canonical_name(name)
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+    return base_model_name(canonical_name(name))
 
 
 @dataclass

@@ -12,6 +12,7 @@ import json
 import logging
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -19,7 +20,7 @@ import torch
 
 from finetune.errors import UsageError
 from finetune.model_dir import MODEL_CONFIG_DIR, Weights, atomic_dir, weights_fingerprint
-from finetune.parameters import canonical_name
+from finetune.parameters import base_model_name, canonical_name
 from finetune.peft.base import FullFineTune
 
 if TYPE_CHECKING:
@@ -58,7 +59,9 @@ def require_peft(method: str) -> None:
 
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
     """peft's LoraConfig for our options: `all-linear` (every linear layer but
-    the output layer, peft's shorthand) or comma-separated module names."""
+    the output layer and the routers, and every fused expert parameter) or
+    comma-separated names of modules or parameters; `add_adapters` resolves
+    them against the model."""
     require_peft("lora")
     from peft import LoraConfig
 
@@ -70,25 +73,103 @@ def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
 ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
 
 
-def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
-    """The model with LoRA adapters on its target modules and every other
-    parameter frozen; a target that matches nothing is the user's to fix."""
-    from peft import get_peft_model
+def is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
-    if not isinstance(config.target_modules, str):  # peft only refuses a list none of whose names match
-        for key in sorted(config.target_modules):
-            matches = [m for name, m in model.named_modules() if name == key or name.endswith("." + key)]
-            if not matches:
-                raise UsageError(f"--lora_target_modules names {key}, which matches no module of the model; its "
-                                 f"linear layers are {', '.join(linear)} (or pass all-linear)")
-            other = next((m for m in matches if not isinstance(m, ADAPTABLE) and type(m).__name__ != "Conv1D"), None)
-            if other is not None:
-                raise UsageError(f"--lora_target_modules names {key}, a {type(other).__name__}, which takes no LoRA "
-                                 f"adapter; name linear layers ({', '.join(linear)}) or pass all-linear")
+
+def _parameter_target(name: str) -> str:
+    """peft's target for a parameter: its module's last two names and its own
+    (`mlp.experts.gate_up_proj`), which every layer's copy ends with."""
+    return ".".join(name.split(".")[-3:])
+
+
+@dataclass
+class Targets:
+    """Where the adapters go in one model: linear layers by name (peft's
+    target_modules) and parameters adapted in place (target_parameters: fused
+    experts, routers), which peft adapts without dropout."""
+    modules: list[str]
+    parameters: list[str]
+
+    def peft_config(self, config):
+        """`config` with these targets; no dropout where parameters are adapted
+        (peft refuses it there; `add_adapters` puts it back on the linear layers)."""
+        from dataclasses import replace
+
+        return replace(config, target_modules=self.modules, target_parameters=self.parameters,
+                       lora_dropout=0.0 if self.parameters else config.lora_dropout)
+
+
+def resolve_targets(model: torch.nn.Module, config) -> Targets:
+    """The modules and parameters `config.target_modules` names in `model`.
+    A name that matches nothing, or a module that takes no adapter, is the user's to fix."""
+    from finetune.models import moe
+
+    routers = moe.routers(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = dict(model.named_modules())
+    linear = {name: m for name, m in modules.items() if is_linear(m) and m is not head and name not in routers}
+    fused = moe.fused_expert_parameters(model)
+    if isinstance(config.target_modules, str):  # all-linear
+        leaves = {name.rsplit(".", 1)[-1] for name in linear}
+        # a leaf name that also names a layer left out (the head, a router) is given whole
+        shared = {name.rsplit(".", 1)[-1] for name, m in modules.items() if name not in linear and name} & leaves
+        names = sorted((leaves - shared) | {name for name in linear if name.rsplit(".", 1)[-1] in shared})
+        return Targets(names, sorted({_parameter_target(name) for name in fused}))
+    choices = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in linear}
+                               | ({moe.EXPERTS_MODULE} if fused else set())
+                               | {name.rsplit(".", 1)[-1] for name in routers}))
+    names, parameters = [], set()
+    params = dict(model.named_parameters())
+    for key in config.target_modules:
+        def named(name):
+            return name == key or name.endswith("." + key)
+        matches = [name for name in modules if name and named(name)]
+        matched_params = [name for name in params if named(name) and params[name].dim() >= 2]
+        if not matches and not matched_params:
+            raise UsageError(f"--lora_target_modules names {key}, which matches no module or parameter of the model; "
+                             f"its adaptable layers are {choices} (or pass all-linear)")
+        if matched_params and not matches:  # experts.gate_up_proj, gate_up_proj
+            parameters |= {_parameter_target(name) for name in matched_params}
+            continue
+        for name in matches:
+            module = modules[name]
+            if name in routers:
+                parameters.add(_parameter_target(f"{name}.weight"))
+            elif name.rsplit(".", 1)[-1] == moe.EXPERTS_MODULE and any(n.startswith(name + ".") for n in fused):
+                parameters |= {_parameter_target(n) for n in fused if n.startswith(name + ".")}
+            elif not (isinstance(module, ADAPTABLE) or is_linear(module)):
+                raise UsageError(f"--lora_target_modules names {key}, a {type(module).__name__}, which takes no LoRA "
+                                 f"adapter; name linear layers, experts or routers ({choices}) or pass all-linear")
+        if any(not (n in routers or n.rsplit(".", 1)[-1] == moe.EXPERTS_MODULE) for n in matches):
+            names.append(key)
+    return Targets(names, sorted(parameters))
+
+
+def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:
+    """The model with LoRA adapters on its target modules and parameters and
+    every other parameter frozen. peft adapts a parameter in place, where it
+    cannot apply dropout to the input: the linear layers get the dropout asked for, those get none."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    targets = resolve_targets(model, config)
     with quiet_peft():
-        return get_peft_model(model, config)
+        model = get_peft_model(model, targets.peft_config(config))
+    if targets.parameters and config.lora_dropout:
+        for layer in model.modules():
+            if isinstance(layer, LoraLayer) and not hasattr(layer, "parameter_name") and ADAPTER_NAME in layer.lora_A:
+                layer.lora_dropout[ADAPTER_NAME] = torch.nn.Dropout(config.lora_dropout)
+    return model
+
+
+def dropout_note(model: torch.nn.Module, dropout: float) -> str:
+    """What the start line says when some adapters train without the dropout asked for."""
+    config = model.peft_config[ADAPTER_NAME]
+    if not (dropout and config.target_parameters):
+        return ""
+    return (f"; no dropout on the adapters of {', '.join(config.target_parameters)} (peft adapts those parameters "
+            f"in place, where it cannot apply dropout), {dropout} on the linear layers'")
 
 
 def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -114,21 +195,39 @@ def write_adapter(adapter: dict[str, torch.Tensor], config, out_dir: Path, base_
               metadata={"format": "pt"})
 
 
+def adapted_tensors(layers: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """The name of each base tensor an adapter changes -> the name of the LoRA
+    layer that adapts it, among a PeftModel's modules by name. A linear layer's
+    is `<layer>.base_layer.weight`; a parameter adapted in place (peft's
+    ParamWrapper, one per parameter, nested where a module has several) sits
+    in the module under the innermost wrapper."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {}
+    for name, layer in layers.items():
+        if not isinstance(layer, LoraLayer) or ADAPTER_NAME not in layer.lora_A:
+            continue
+        inner, base = layer.base_layer, f"{name}.base_layer"
+        while isinstance(inner, LoraLayer):
+            inner, base = inner.base_layer, f"{base}.base_layer"
+        adapted[f"{base}.{getattr(layer, 'parameter_name', 'weight')}"] = name
+    return adapted
+
+
 def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layers: dict[str, torch.nn.Module]):
     """The merged model's tensors, computed a few at a time as they are
     fetched, from a PeftModel's (`live`: shapes and dtypes under peft's names;
     `fetch(names)` returns those tensors whole; `layers`: its modules by name):
-    a target's base weight plus its adapter's delta, as peft's
+    a target's base tensor plus its adapter's delta, as peft's
     `merge_and_unload` adds it; every other tensor as it is."""
-    prefix = "base_model.model."
+    adapted = adapted_tensors(layers)
     sources: dict[str, list[str]] = {}  # the merged model's name -> the live tensors it is made of
     for name in live:
         if ".lora_" in name:
             continue
-        merged_name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        merged_name = base_model_name(name)
         sources[merged_name] = [name]
-        layer = name.removesuffix(".base_layer.weight")
-        if layer != name and ADAPTER_NAME in getattr(layers.get(layer), "lora_A", {}):
+        if layer := adapted.get(name):
             sources[merged_name] += [f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
 
     def fetch_merged(names: list[str]) -> dict[str, torch.Tensor]:
@@ -140,19 +239,28 @@ def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layer
                 out[name] = got[base]
                 continue
             merged = got[base].clone()  # fetch may hand out the live tensor itself (one process)
-            merged += _delta_weight(layers[base.removesuffix(".base_layer.weight")], *(got[a] for a in adapter))
+            merged += _delta_weight(layers[adapted[base]], *(got[a] for a in adapter)).to(merged.dtype)
             out[name] = merged
         return out
     return Weights({name: live[names[0]] for name, names in sources.items()}, fetch_merged)
 
 
 def _delta_weight(layer, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    """peft's `Linear.get_delta_weight` for whole adapter tensors (the layer's may be shards)."""
+    """peft's `get_delta_weight` for whole adapter tensors (the layer's may be
+    shards): `B @ A` for a linear layer; for fused experts ([experts, ., .]), each
+    expert's rank-r block of A and B, laid out as the parameter is."""
     from peft.utils.other import transpose
 
     cast_to_fp32 = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
     a, b = (lora_a.float(), lora_b.float()) if cast_to_fp32 else (lora_a, lora_b)
-    delta = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER_NAME]
+    experts = getattr(layer, "num_experts", 1)
+    if experts == 1:
+        delta = transpose(b @ a, layer.fan_in_fan_out) * layer.scaling[ADAPTER_NAME]
+    else:
+        a = a.reshape(experts, -1, a.shape[-1])  # experts x rank x in
+        b = b.reshape(b.shape[0], -1, experts)   # out x rank x experts
+        layout = "e o i" if layer._did_swap_in_out_features else "e i o"
+        delta = torch.einsum(f"o r e, e r i -> {layout}", b, a) * layer.scaling[ADAPTER_NAME]
     return delta.to(lora_b.dtype) if cast_to_fp32 else delta
 
 
@@ -234,6 +342,7 @@ class LoRA(FullFineTune):
     name = "lora"
     extra = "lora"
     saves_adapters = True
+    dropout_note = ""
 
     def check_supported_here(self) -> None:
         require_peft(self.name)
@@ -249,10 +358,12 @@ class LoRA(FullFineTune):
     def wrap(self, model: PreTrainedModel, source: str, accelerator: Accelerator, record_base: bool) -> PreTrainedModel:
         if record_base:  # the base as loaded, before anything changes it
             self.base_record = base_record(source, model)
-        return add_adapters(self.adapt_base(model), self.config())
+        model = add_adapters(self.adapt_base(model), self.config())
+        self.dropout_note = dropout_note(model, self.cfg.lora_dropout)
+        return model
 
     def trainable_note(self, trainable: int) -> str:
-        return f", of which {trainable:,} trainable ({self.name} adapters on a frozen base)"
+        return f", of which {trainable:,} trainable ({self.name} adapters on a frozen base{self.dropout_note})"
 
     def adapters_off(self, model: torch.nn.Module):
         """The base's forward, the adapters kept."""

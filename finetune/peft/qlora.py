@@ -18,7 +18,7 @@ import torch
 from finetune.errors import UsageError
 from finetune.launch_request import check_qlora_runs_here, launched_world_size
 from finetune.model_dir import Weights
-from finetune.peft.lora import ADAPTER_NAME, LoRA, adapted_layers, merged_into, require_peft
+from finetune.peft.lora import ADAPTER_NAME, LoRA, adapted_layers, merged_into, require_peft, resolve_targets
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -116,8 +116,15 @@ class QLoRA(LoRA):
         check_qlora_runs_here(accelerator.num_processes, accelerator.is_fsdp2)
 
     def adapt_base(self, model: "PreTrainedModel") -> "PreTrainedModel":
-        """GPT-2's Conv1D layers as Linear, the layout NF4 multiplies."""
+        """GPT-2's Conv1D layers as Linear, the layout NF4 multiplies; nothing
+        adapted in place (fused experts, routers), which NF4 does not hold."""
         linears_for_conv1d(model)
+        targets = resolve_targets(model, self.config())
+        if targets.parameters:
+            raise UsageError(f"--peft qlora holds the adapted linear layers in 4 bits, and --lora_target_modules "
+                             f"{self.cfg.lora_target_modules} also takes in {', '.join(targets.parameters)} (fused "
+                             "experts or routers), which it cannot quantise; use --peft lora, or name linear layers "
+                             f"alone: --lora_target_modules {','.join(targets.modules) or 'q_proj,v_proj'}")
         return model
 
     def wrap(self, model: "PreTrainedModel", source: str, accelerator: "Accelerator",
