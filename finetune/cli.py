@@ -44,6 +44,7 @@ OPTION_GROUPS = {
                  "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
                  "max_grad_norm", "seed", "loss_chunk_size", "attn_implementation", "use_liger_kernel"),
     "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "mixture of experts": ("output_router_logits", "router_aux_loss_coef"),
     "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
                           "precompute_reference"),
     "online RL (--method grpo)": ("reward_funcs", "reward_weights", "reward_pattern", "reward_timeout", "num_generations",

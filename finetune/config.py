@@ -230,6 +230,10 @@ class TrainConfig:
     lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")
     lora_target_modules: str = _opt("all-linear", "the modules that get adapters: all-linear (every linear layer but "
                                     "the output layer) or comma-separated module names (q_proj,v_proj; c_attn)")
+    output_router_logits: bool = _opt(False, "mixture of experts: add the family's own load-balancing loss of the "
+                                      "routers to the loss, times --router_aux_loss_coef (logged as aux_loss)")
+    router_aux_loss_coef: float = _opt(-1.0, "mixture of experts: the load-balancing loss's coefficient (negative: "
+                                       "the model config's own, 0.001 for Qwen3-MoE, Mixtral and gpt-oss)")
     trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
     allow_unverified_checkpoint: bool = _opt(False, "resume from a checkpoint without manifest.json (written elsewhere "
                                              "or by an older finetune): its files cannot be checked for damage")
@@ -509,6 +513,7 @@ ALIASES = {
     "save_steps": "checkpoint_every", "save_total_limit": "keep_last", "logging_steps": "log_every",
     "eval_steps": "eval_every", "overwrite_output_dir": "overwrite",
     "lr_scheduler": "lr_scheduler_type",  # this project's own name before the get_scheduler names
+    "moe_aux_loss_coef": "router_aux_loss_coef",  # LLaMA-Factory's name
 }
 # Names that are not options of a run here: what they are, the `accelerate
 # launch` options that set what they meant (from the value given), and the

@@ -268,7 +268,7 @@ def step_line(row: dict, total_steps: int, throughput_key: str, width: int | Non
     # an objective's own (rewards/..., reward, kl) and a mixture's tokens per source (tokens/...)
     shown = {"step", "epoch", "loss", "lr", "grad_norm", "step_time_s", throughput_key}
     extras = [f"  {name} {row[name]:,}" if isinstance(row[name], int) else f"  {name} {row[name]:.4f}"
-              for name in row if name not in shown and not name.startswith("rss_bytes_rank")]
+              for name in row if name not in shown and not name.startswith(("rss_bytes_rank", "expert_load/"))]
     for i, extra in enumerate(extras):
         rest = f"  (+{len(extras) - i - 1} more)" if i < len(extras) - 1 else ""
         if len(line) + len(extra) + len(rest) > width:

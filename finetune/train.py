@@ -387,12 +387,15 @@ def train_step(run: Run) -> StepResult:
     # reaches gradient_accumulation_steps: start it so the step's last micro-batch does.
     acc.step = cfg.gradient_accumulation_steps - len(micro_batches)
     metric_names = run.task.step_metrics
-    totals = torch.zeros(2 + len(metric_names), device=acc.device)  # loss sum, units, metric sums on this rank
+    totals = None  # loss sum, units, then each metric's sums (a metric may be a tensor: expert loads) on this rank
     for batch in micro_batches:
         with acc.accumulate(model):
             terms = run.task.loss(model, batch)
             acc.backward(terms.total * weight)
-        totals += torch.stack([terms.total.detach(), terms.units, *(terms.metrics[m] for m in metric_names)]).to(totals)
+        shapes = [terms.metrics[m].shape for m in metric_names]
+        sums = torch.cat([torch.stack([terms.total.detach().float(), terms.units.float().to(terms.total.device)]),
+                          *(terms.metrics[m].detach().float().reshape(-1) for m in metric_names)])
+        totals = sums if totals is None else totals + sums
     grad_norm = to_float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
     lr = run.schedule.lr
     run.optimizer.step()
@@ -402,10 +405,15 @@ def train_step(run: Run) -> StepResult:
     resident = torch.zeros(acc.num_processes, dtype=torch.float64, device=acc.device)
     resident[acc.process_index] = resident_bytes()
     loss_sum, units, *sums = acc.reduce(torch.cat([totals.double() / readers, resident]), reduction="sum").tolist()
-    metric_sums, resident = sums[:len(metric_names)], sums[len(metric_names):]
+    metric_sums, at = {}, 0
+    for name, shape in zip(metric_names, shapes):
+        size = math.prod(shape)
+        metric_sums[name] = sums[at] if not shape else sums[at:at + size]
+        at += size
+    resident = sums[at:]
     return StepResult(loss_sum / max(count, 1), units, stop_votes, grad_norm, lr, time.perf_counter() - start,
                       epoch_end=epoch_end, resident_bytes_per_rank=[int(b) for b in resident],
-                      metrics=run.task.step_means(dict(zip(metric_names, metric_sums)), count))
+                      metrics=run.task.step_means(metric_sums, count))
 
 
 def after_step(run: Run, result: StepResult) -> None:

@@ -121,13 +121,25 @@ def check_grpo(cfg) -> None:
     _no_reference_model_under_adapters(cfg)
 
 
+def check_router(cfg) -> None:
+    if cfg.output_router_logits and cfg.task != "causal-lm":
+        raise UsageError(f"--output_router_logits applies to mixture-of-experts language models, not --task "
+                         f"{cfg.task}; drop it")
+    if not math.isfinite(cfg.router_aux_loss_coef):
+        raise UsageError(f"--router_aux_loss_coef must be a number, got {cfg.router_aux_loss_coef}; pass e.g. 0.001")
+    if cfg.router_aux_loss_coef >= 0 and not cfg.output_router_logits:
+        raise UsageError(f"--router_aux_loss_coef {cfg.router_aux_loss_coef:g} weighs the routers' load-balancing "
+                         "loss, which only --output_router_logits adds; add --output_router_logits")
+
+
+ROUTER_OPTIONS = ("output_router_logits", "router_aux_loss_coef")
 PREFERENCE_OPTIONS = ("dpo_beta", "max_prompt_length")
 GRPO_OPTIONS = ("reward_funcs", "reward_weights", "reward_timeout", "num_generations", "max_completion_length", "temperature", "top_p",
                 "loss_type", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
                 "mask_truncated_completions", "beta", "log_completions_every", "reward_pattern")
 
 REGISTRY: dict[str, ObjectiveEntry] = {entry.name: entry for entry in (
-    ObjectiveEntry("sft", None, None),
+    ObjectiveEntry("sft", None, None, ROUTER_OPTIONS, check=check_router),
     # Preference tuning moves a model much less than SFT: TRL's DPOConfig
     # default for full fine-tuning, and the rate of its LoRA example.
     ObjectiveEntry("dpo", "finetune.objectives.preference:PreferenceLM", "preference",

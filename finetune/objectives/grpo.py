@@ -103,6 +103,7 @@ class GRPOLM(WithReference, CausalLM):
     metric_name = "reward"
     batch_size_options = "--per_device_batch_size (completions; prompts per batch: it / --num_generations)"
     step_metrics = (*TOKEN_METRICS, "completion_tokens")
+    watches_routers = False  # its own loss; expert load and the load-balancing loss are SFT's
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -41,6 +41,7 @@ class PreferenceLM(WithReference, CausalLM):
     metric_name = "eval_rewards/accuracies"
     batch_size_options = "--per_device_batch_size"
     step_metrics = METRICS
+    watches_routers = False  # its own loss; expert load and the load-balancing loss are SFT's
 
     def __init__(self, cfg):
         super().__init__(cfg)

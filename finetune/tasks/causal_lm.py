@@ -28,7 +28,9 @@ from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
 from finetune.tasks.base import LossSum, Scored, Task, TaskData
+from finetune.signals import NoSignal
 from finetune.tasks.lm_loss import IGNORE, can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
+from finetune.tasks.router import Routers
 
 
 def attention_inputs(batch: dict, attn_implementation: str) -> dict:
@@ -97,6 +99,8 @@ class CausalLM(Task):
     metric_name = "perplexity"
     throughput_key = "tokens_per_sec"
     batch_size_options = "--per_device_batch_size/--block_size"
+    routers: Routers | None = None  # a mixture of experts' (tasks/router.py)
+    watches_routers: bool = True     # this loss reports expert load and adds the load-balancing loss
 
     def targets(self, batch: dict) -> int:
         return int((next_token_targets(batch.get("labels", batch["input_ids"])) != IGNORE).sum())
@@ -142,6 +146,9 @@ class CausalLM(Task):
             data = TaskData(splits["train"], splits["validation"], tokenizer, description,
                             collate=self._collate(data_format, tokenizer), data_format=data_format)
         data.description += f"; {attention.describe(self.attention)}"
+        self.routers = Routers.of(model, cfg) if self.watches_routers else None
+        if self.routers is not None:
+            self.step_metrics = self.routers.step_metrics
         return model, data
 
     def _mixed_data(self, loaded: LoadedSources, tokenizer: PreTrainedTokenizerBase, rank: int) -> TaskData:
@@ -279,9 +286,26 @@ class CausalLM(Task):
                              f"{model.config.max_position_embeddings} positions; lower --block_size")
 
     def loss(self, model, batch: dict) -> LossSum:
-        # No KV cache: a training forward never reuses it.
-        scores = self._forward(model, batch)
-        return LossSum(total=scores.total, units=scores.tokens)
+        if self.routers is None:
+            scores = self._forward(model, batch)
+            return LossSum(total=scores.total, units=scores.tokens)
+        mask = batch.get("attention_mask")  # [B, T]: the real tokens
+        with self.routers.watching(mask) as routing:
+            scores = self._forward(model, batch)
+        added, metrics = self.routers.terms(routing, mask, targets=scores.has_target.sum())
+        return LossSum(total=scores.total if added is None else scores.total + added, units=scores.tokens,
+                       metrics=metrics)
+
+    def step_means(self, sums: dict, count: float) -> dict:
+        if self.routers is None:
+            return super().step_means(sums, count)
+        return self.routers.step_means(sums, count)
+
+    def no_signal_checks(self) -> list[NoSignal]:
+        return [*super().no_signal_checks(), *(self.routers.no_signal_checks() if self.routers else [])]
+
+    def summary_facts(self) -> dict:
+        return {**super().summary_facts(), **(self.routers.summary() if self.routers else {})}
 
     def _forward(self, model, batch: dict) -> Scores:
         """The NLL comes from the output layer's input a chunk at a time
