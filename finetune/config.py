@@ -566,6 +566,17 @@ def objective_rates(method: str) -> dict[str, float]:
     return OBJECTIVE_REGISTRY[method].learning_rates if method in OBJECTIVE_REGISTRY else {}
 
 
+# The module names of a mixture of experts' fused experts and routers, which
+# peft adapts as parameters, where it cannot apply dropout.
+ADAPTED_IN_PLACE = ("experts", "gate", "router")
+
+
+def names_adapted_in_place(target_modules: str) -> str:
+    """The first name in --lora_target_modules that means fused experts or a router ('' if none)."""
+    return next((key for key in (k.strip() for k in target_modules.split(","))
+                 if key.rsplit(".", 1)[-1] in ADAPTED_IN_PLACE or "experts." in key), "")
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """YAML file (optional) < command-line overrides. Unknown keys are errors;
     Trainer/run_clm names are read as ours."""
@@ -609,6 +620,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
     if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):
         raise UsageError(f"--{given[0]} applies to LoRA runs and this run trains every parameter; add --peft lora, "
                          f"or drop --{given[0]}")
+    if "lora_dropout" in overrides and coerce("lora_dropout", overrides["lora_dropout"]) and \
+            (in_place := names_adapted_in_place(str(values.get("lora_target_modules", "")))):
+        raise UsageError(f"--lora_dropout applies to linear layers, and --lora_target_modules names {in_place} (fused "
+                         "experts or a router), which peft adapts in place without dropout; pass --lora_dropout 0, "
+                         "or name linear layers alone")
     method = values.get("method", TrainConfig.method)
     if given := [n for n, methods in METHOD_OPTIONS.items() if n in overrides and method not in methods]:
         users = " or ".join(METHOD_OPTIONS[given[0]])
