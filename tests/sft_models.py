@@ -75,16 +75,17 @@ def save_chat_model(path: Path, arch: str = "llama", tie: bool = False, template
 # own config class (AutoConfig.for_model) at the chat models' shape, MoE ones
 # with 4 experts of which 2 per token.
 FAMILY_SHAPES = {
-    "qwen3": {},
-    "gemma3_text": dict(head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3": {},  # head_dim 128, as every Qwen3 (transformers' GGUF reader assumes it)
+    "gemma3_text": dict(head_dim=8, sliding_window=64),  # every layer local below 6 layers, as llama.cpp has it
     "phi3": {},
     "olmo2": {},
     "smollm3": {},
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # transformers' GGUF reader takes Qwen3-MoE's expert width to be its default (768, Qwen3-30B-A3B's)
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, head_dim=8, moe_intermediate_size=768, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16,
-                    layer_types=["sliding_attention", "full_attention"]),
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096),
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
@@ -96,11 +97,11 @@ def save_family_model(path: Path, family: str, template: str = CHATML, seed: int
 
     texts = [m["content"] for row in conversations(200) for m in row["messages"]]
     tokenizer = chat_tokenizer(texts, template)
-    config = AutoConfig.for_model(
-        family, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        **FAMILY_SHAPES[family])
+    shape = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(family, **{**shape, **FAMILY_SHAPES[family]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, check_ok, run_in_process
-from sft_models import CHATML, chat_tokenizer, conversations, save_chat_model
+from sft_models import CHATML, MOE_FAMILIES, chat_tokenizer, conversations, save_chat_model, save_family_model
 from e2e.test_errors import one_error_line
 
 gguf = pytest.importorskip("gguf")
@@ -111,10 +111,27 @@ FAMILIES = {"llama": lambda path: save_chat_model(path, "llama", tie=False),   #
             "gpt2": save_gpt2_model}
 
 
+# The families users take to llama.cpp now, by llama.cpp's architecture; transformers' GGUF reader reads the first four.
+NEW_FAMILIES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "phi3": "phi3",
+                "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
+READ_BY_TRANSFORMERS = ("qwen3", "qwen3_moe", "gemma3_text", "phi3")
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-models")
     return {family: save(root / f"tiny-{family}") for family, save in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-families")
+    return {family: save_family_model(root / family, family) for family in NEW_FAMILIES}
+
+
+def stored_as_asked(name: str, dims: int) -> bool:
+    """Weight matrices (expert stacks too) take the asked type; vectors, biases and routers stay f32."""
+    return dims >= 2 and name.endswith(".weight") and ".ffn_gate_inp." not in name
 
 
 def assert_same_next_tokens_beyond_ties(read_back: torch.Tensor, reference: torch.Tensor) -> None:
@@ -151,7 +168,8 @@ def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, mode
     expected_type = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
                      "q8_0": gguf.GGMLQuantizationType.Q8_0}[gguf_type]
     for tensor in fields["reader"].tensors:  # matrices as asked (all rows here are whole q8_0 blocks), vectors f32
-        assert tensor.tensor_type == (expected_type if len(tensor.shape) == 2 else gguf.GGMLQuantizationType.F32)
+        assert tensor.tensor_type == (expected_type if stored_as_asked(tensor.name, len(tensor.shape))
+                                      else gguf.GGMLQuantizationType.F32)
     assert fields["general.architecture"] == {"gpt2": "gpt2", "qwen2-tied": "qwen2"}.get(family, "llama")
     assert fields["tokenizer.chat_template"] == CHATML
 
@@ -172,6 +190,77 @@ def test_gguf_reads_back_with_the_same_tokens_and_logits(family, gguf_type, mode
     error = ((read_back - reference).abs().max() / reference.abs().max()).item()
     assert error < LOGIT_BOUND[gguf_type], error
     assert_same_next_tokens_beyond_ties(read_back, reference)
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("family", READ_BY_TRANSFORMERS)
+def test_new_families_read_back_with_the_same_logits(family, gguf_type, family_dirs, tmp_path):
+    """Qwen3, Qwen3-MoE (experts from their per-expert files), Gemma 3 (norms
+    as 1 + w) and Phi-3 (fused qkv and gate_up) through transformers' reader."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = family_dirs[family]
+    out = tmp_path / f"{family}-{gguf_type}.gguf"
+    check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
+    assert gguf_fields(out)["general.architecture"] == NEW_FAMILIES[family]
+    ids = torch.tensor([AutoTokenizer.from_pretrained(source).apply_chat_template(CHAT, tokenize=True,
+                                                                                  return_dict=True)["input_ids"]])
+    moe = {"output_router_logits": True} if family in MOE_FAMILIES else {}
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(source).eval()(ids, **moe)
+        read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, dtype=torch.float32).eval()(
+            ids, **moe)
+    # A token whose hidden state rounds across a router's tie goes to other experts: a
+    # different function, not an error of the file. The positions routed alike are compared.
+    same_route = torch.ones(ids.shape[1], dtype=torch.bool)
+    for ours, theirs in zip(getattr(reference, "router_logits", None) or (), getattr(read_back, "router_logits", None) or ()):
+        same_route &= (ours.topk(2).indices.sort().values == theirs.topk(2).indices.sort().values).all(-1)
+    assert same_route.float().mean() >= 0.9, same_route
+    reference, read_back = reference.logits[:, same_route], read_back.logits[:, same_route]
+    error = ((read_back - reference).abs().max() / reference.abs().max()).item()
+    assert error < LOGIT_BOUND[gguf_type], error
+    assert_same_next_tokens_beyond_ties(read_back, reference)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_stacks_go_in_as_llama_cpp_lays_them_out(family, family_dirs, tmp_path):
+    """Every MoE family's file: its expert counts, and per layer a router and
+    gate/up/down stacks of [experts, out, in] (numpy order) whose expert 0 is
+    the model's first expert's projections, computed here from the model's own
+    forward: x @ gate.T for the gate and up rows transformers' experts module uses."""
+    from transformers import AutoModelForCausalLM
+
+    source = family_dirs[family]
+    out = tmp_path / f"{family}.gguf"
+    check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", "f16", "--output", out))
+    fields = gguf_fields(out)
+    arch = NEW_FAMILIES[family]
+    assert fields["general.architecture"] == arch
+    assert (fields[f"{arch}.expert_count"], fields[f"{arch}.expert_used_count"]) == (4, 2)
+    tensors = {t.name: t for t in fields["reader"].tensors}
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    experts = model.model.layers[0].mlp.experts
+    gate_up = experts.gate_up_proj[0].detach()
+    # each module's own reading of its fused tensor: gpt-oss's [in, out] interleaved, the others [out, in] halves
+    gate, up = ((gate_up[:, ::2].T, gate_up[:, 1::2].T) if family == "gpt_oss" else gate_up.chunk(2, dim=0))
+    down = experts.down_proj[0].detach()
+    down = down.T if family == "gpt_oss" else down
+    for name, expected in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", down)):
+        stored = torch.from_numpy(np.array(tensors[f"blk.0.{name}.weight"].data, dtype=np.float32))
+        assert stored.shape[0] == 4 and stored.shape[1:] == expected.shape, name
+        x = torch.randn(3, expected.shape[1])  # the projection's input: hidden states, or the expert's inner width
+        torch.testing.assert_close(x @ stored[0].T, x @ expected.T, rtol=2e-3, atol=2e-3)
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_a_family_llama_cpp_runs_differently_is_refused(family_dirs, tmp_path):
+    source = tmp_path / "unnormalised"
+    shutil.copytree(family_dirs["qwen3_moe"], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    message = refused(run_in_process("export", source, "--format", "gguf", "--output", tmp_path / "x.gguf"))
+    assert "norm_topk_prob" in message and "--format safetensors" in message
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_a_split_pattern_pre_tokenizer_goes_in_by_llama_cpps_name(model_dirs, tmp_path):
@@ -230,14 +319,14 @@ def test_llama_3_rotary_scaling_goes_in_as_llama_cpps_factors(tmp_path):
     assert {1.0, 8.0} < set(np.array(factors.data).tolist())  # kept, slowed and blended frequencies all occur
 
 
-def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs, tmp_path):
+def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs, family_dirs, tmp_path):
     """llama.cpp's own loader and kernels, through llama-cpp-python (a source
     build: `pip install llama-cpp-python`, with cmake and a C++ compiler)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     scaled = save_llama3_scaled(tmp_path / "llama3-scaled")
-    for family, source in [*model_dirs.items(), ("llama3-scaled", scaled)]:
+    for family, source in [*model_dirs.items(), *family_dirs.items(), ("llama3-scaled", scaled)]:
         for gguf_type in ("f16", "q8_0"):
             out = tmp_path / f"{family}-{gguf_type}.gguf"
             check_ok(run_in_process("export", source, "--format", "gguf", "--gguf_type", gguf_type, "--output", out))
