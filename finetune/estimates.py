@@ -40,6 +40,8 @@ class ModelShape:
     largest_tensor: int = 0  # elements of the largest parameter
     own_shards: bool = False  # a safetensors dir each rank can read its shards from (shard_loading.py)
     tp_plan: bool = False     # transformers has a tensor-parallel plan for the model
+    expert_params: int = 0    # a mixture of experts': the experts' parameters (all held, few computed with)
+    active_params: int = 0    # the parameters one token computes with (all but the experts it is not routed to)
 
 
 @dataclass

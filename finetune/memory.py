@@ -57,7 +57,7 @@ from finetune.errors import UsageError
 from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activation_bytes, cpu_peak_rss,
                                 frozen_bytes, fsdp_traffic, mesh_name)
 from finetune.host_memory import MMAP_THRESHOLD_BYTES
-from finetune.models import check_config_sizes
+from finetune.models import check_config_sizes, moe
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
@@ -97,6 +97,7 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
     with torch.device("meta"):
         model = causal_lm.auto().from_config(config)
+    experts = moe.parameter_counts(model, config) if moe.is_moe(config) else {"experts": 0, "active": 0}
     model, four_bit = method.plan_model(model, num_processes) if method else (model, 0)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
@@ -112,6 +113,7 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
                       largest_tensor=max(p.numel() for p in unique.values()),
                       tp_plan=bool(getattr(config, "base_model_tp_plan", None)),
+                      expert_params=experts["experts"], active_params=experts["active"],
                       own_shards=name_or_path not in GPT2_PRESETS
                       and OwnShards.for_model(name_or_path, config, causal_lm.auto(), trust_remote_code=False) is not None)
 
@@ -325,8 +327,11 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
            host: HostRam | None = None) -> str:
     trainable = (f", of which {shape.trainable:,} trainable adapters ({100 * shape.trainable / shape.params:.2f}%)"
                  if shape.trainable and shape.trainable < shape.params else "")
-    lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32){trainable}; largest FSDP unit "
-             f"{shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
+    experts = (f"; a mixture of experts: {shape.expert_params:,} in the experts "
+               f"({100 * shape.expert_params / shape.params:.1f}% of the state, every one held), {shape.active_params:,} "
+               "active per token (the compute)" if shape.expert_params else "")
+    lines = [f"{shape.params:,} parameters ({4 * shape.params / GIB:.2f} GiB in fp32){trainable}{experts}; largest "
+             f"FSDP unit {shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
              "| strategy | params | grads | AdamW state | gathered units | activations | total | peak RSS, CPU run | fits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     if any(e.reference for e in estimates):  # DPO's frozen reference, a column of its own
