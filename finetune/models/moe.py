@@ -11,6 +11,8 @@ Nothing here knows about training.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 EXPERTS_MODULE = "experts"
@@ -38,6 +40,11 @@ def is_moe(config) -> bool:
     return expert_count(config) > 0
 
 
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, also where ZeRO-3 holds an empty placeholder for it (its `ds_shape`)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def is_expert_parameter(name: str) -> bool:
     """A parameter of a layer's experts (fused, or one expert's own linear layer)."""
     return f".{EXPERTS_MODULE}." in f".{name}"
@@ -45,7 +52,7 @@ def is_expert_parameter(name: str) -> bool:
 
 def fused_expert_parameters(model: torch.nn.Module) -> list[str]:
     """The names of the 3-D parameters that hold every expert of a layer at once."""
-    return [name for name, p in model.named_parameters() if p.dim() == 3 and is_expert_parameter(name)]
+    return [name for name, p in model.named_parameters() if len(full_shape(p)) == 3 and is_expert_parameter(name)]
 
 
 def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -61,8 +68,8 @@ def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             count = len(experts)
         for child_name, child in block.named_children():
             weight = getattr(child, "weight", None)
-            if child_name != EXPERTS_MODULE and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
-                    and (count is None or weight.shape[0] == count):
+            shape = full_shape(weight) if isinstance(weight, torch.Tensor) else ()
+            if child_name != EXPERTS_MODULE and len(shape) == 2 and (count is None or shape[0] == count):
                 found[f"{block_name}.{child_name}" if block_name else child_name] = child
     return found
 
@@ -70,8 +77,8 @@ def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def parameter_counts(model: torch.nn.Module, config) -> dict[str, int]:
     """total, expert (the experts' share) and active (what one token computes
     with: everything but the experts, plus experts_per_token of each layer's experts)."""
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for name, p in model.named_parameters() if is_expert_parameter(name))
+    total = sum(math.prod(full_shape(p)) for p in model.parameters())
+    experts = sum(math.prod(full_shape(p)) for name, p in model.named_parameters() if is_expert_parameter(name))
     count, per_token = expert_count(config), experts_per_token(config)
     active = total - experts + (experts * per_token // count if count else experts)
     return {"total": total, "experts": experts, "active": active}

@@ -125,7 +125,7 @@ def resolve_targets(model: torch.nn.Module, config) -> Targets:
         def named(name):
             return name == key or name.endswith("." + key)
         matches = [name for name in modules if name and named(name)]
-        matched_params = [name for name in params if named(name) and params[name].dim() >= 2]
+        matched_params = [name for name in params if named(name) and len(moe.full_shape(params[name])) >= 2]
         if not matches and not matched_params:
             raise UsageError(f"--lora_target_modules names {key}, which matches no module or parameter of the model; "
                              f"its adaptable layers are {choices} (or pass all-linear)")
