@@ -59,8 +59,8 @@ class Family:
     rope_scalings: tuple[str, ...] = ()              # the rotary scalings llama.cpp runs for it, besides none
     # An HF tensor as the tensors llama.cpp stores for it (fused experts: several), by a name the gguf map knows.
     pieces: Callable[[str, tuple[int, ...], object], list[Piece]] = _whole
-    # What llama.cpp's architecture fixes that a config may set otherwise: (config attribute, the value it runs).
-    fixed: tuple[tuple[str, object], ...] = ()
+    # What llama.cpp's architecture fixes that a config may set otherwise: (what, the config's, what it runs).
+    fixed: Callable[[object], list[tuple[str, object, object]]] = lambda config: []
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -234,6 +234,23 @@ def _gpt2_linear_rows(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
     return tensor
 
 
+def _qwen3_moe_fixed(config) -> list[tuple[str, object, object]]:
+    return [("norm_topk_prob", getattr(config, "norm_topk_prob", True), True)]
+
+
+def _gemma3_fixed(config) -> list[tuple[str, object, object]]:
+    """llama.cpp scales Gemma 3's attention by the head size (27B: hidden / heads), not by query_pre_attn_scalar."""
+    heads, _, head_dim = _heads(config)
+    runs = config.hidden_size // heads if config.query_pre_attn_scalar == config.hidden_size // heads else head_dim
+    return [("query_pre_attn_scalar", config.query_pre_attn_scalar, runs)]
+
+
+def _olmoe_fixed(config) -> list[tuple[str, object, object]]:
+    """llama.cpp's OLMoE normalises keys over every head: no grouped-query attention."""
+    heads, kv_heads, _ = _heads(config)
+    return [("num_key_value_heads", kv_heads, heads)]
+
+
 # By transformers' model_type. The architecture names and tensor names are the gguf package's tables.
 FAMILIES = {
     "llama": Family("llama", _decoder_hyperparameters, _llama_rotary_rows, rope_scalings=("llama3",)),
@@ -242,10 +259,10 @@ FAMILIES = {
     "qwen2": Family("qwen2", _decoder_hyperparameters, _as_stored),
     "qwen3": Family("qwen3", _decoder_hyperparameters, _as_stored),
     "qwen3_moe": Family("qwen3moe", _decoder_hyperparameters, _as_stored, pieces=_fused_experts,
-                        fixed=(("norm_topk_prob", True),)),
-    "gemma3_text": Family("gemma3", _gemma3_hyperparameters, _gemma_norms),
+                        fixed=_qwen3_moe_fixed),
+    "gemma3_text": Family("gemma3", _gemma3_hyperparameters, _gemma_norms, fixed=_gemma3_fixed),
     "phi3": Family("phi3", _phi3_hyperparameters, _as_stored),
-    "olmoe": Family("olmoe", _decoder_hyperparameters, _as_stored, pieces=_fused_experts),
+    "olmoe": Family("olmoe", _decoder_hyperparameters, _as_stored, pieces=_fused_experts, fixed=_olmoe_fixed),
     "gpt_oss": Family("gpt-oss", _gpt_oss_hyperparameters, _as_stored, rope_scalings=("yarn",),
                       pieces=_gpt_oss_experts),
     "gpt2": Family("gpt2", _gpt2_hyperparameters, _gpt2_linear_rows, writes_tied_output=True),
@@ -266,10 +283,10 @@ def family_of(config) -> Family:
         raise UsageError(f"GGUF export converts {family.arch} models with rotary scaling "
                          f"{', '.join(('none', *family.rope_scalings))}; this one has {_rope_type(config)!r}: "
                          "export it with --format safetensors")
-    for name, value in family.fixed:
-        if getattr(config, name, value) != value:
-            raise UsageError(f"GGUF export: llama.cpp's {family.arch} runs with {name} {value}, and this model has "
-                             f"{getattr(config, name)!r}; export it with --format safetensors")
+    for name, theirs, runs in family.fixed(config):
+        if theirs != runs:
+            raise UsageError(f"GGUF export: llama.cpp's {family.arch} runs with {name} {runs}, and this model has "
+                             f"{theirs!r}; export it with --format safetensors")
     return family
 
 

@@ -76,14 +76,15 @@ def save_chat_model(path: Path, arch: str = "llama", tie: bool = False, template
 # with 4 experts of which 2 per token.
 FAMILY_SHAPES = {
     "qwen3": {},  # head_dim 128, as every Qwen3 (transformers' GGUF reader assumes it)
-    "gemma3_text": dict(head_dim=8, sliding_window=64),  # every layer local below 6 layers, as llama.cpp has it
+    # every layer local below 6 layers, as llama.cpp has it; attention scaled by the head size, as every Gemma 3
+    "gemma3_text": dict(head_dim=8, sliding_window=64, query_pre_attn_scalar=8),
     "phi3": {},
     "olmo2": {},
     "smollm3": {},
     # transformers' GGUF reader takes Qwen3-MoE's expert width to be its default (768, Qwen3-30B-A3B's)
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, head_dim=8, moe_intermediate_size=768, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, num_key_value_heads=4),  # no grouped queries, as OLMoE
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096),
 }
