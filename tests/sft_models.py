@@ -76,8 +76,9 @@ def save_chat_model(path: Path, arch: str = "llama", tie: bool = False, template
 # with 4 experts of which 2 per token.
 FAMILY_SHAPES = {
     "qwen3": {},  # head_dim 128, as every Qwen3 (transformers' GGUF reader assumes it)
-    # every layer local below 6 layers, as llama.cpp has it; attention scaled by the head size, as every Gemma 3
-    "gemma3_text": dict(head_dim=8, sliding_window=64, query_pre_attn_scalar=8),
+    # every layer local below 6 layers, as llama.cpp has it; attention scaled by the head size (256, as Gemma 3's
+    # 1B-12B: llama.cpp reads the head size, transformers' GGUF reader takes the scale to be 256)
+    "gemma3_text": dict(head_dim=256, sliding_window=64, query_pre_attn_scalar=256),
     "phi3": {},
     "olmo2": {},
     "smollm3": {},
