@@ -37,7 +37,7 @@ OPTION_GROUPS = {
     "data": ("dataset", "dataset_weights", "mixture_stop", "streaming", "dataloader_num_workers", "dataset_config",
              "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
              "text_sample_by",
-             "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "packing",
+             "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "train_on_reasoning", "packing",
              "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),
     "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
                  "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",

@@ -85,6 +85,7 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
                 "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt",
+                "train_on_reasoning",
                 "packing", "long_examples", "block_size",
                 "max_prompt_length",
                 "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
@@ -161,6 +162,8 @@ class TrainConfig:
                               "tokenizer's own; saved with the model")
     train_on_prompt: bool = _opt(False, "SFT: take the loss on every token, not only on the answers and their "
                                  "end-of-turn tokens")
+    train_on_reasoning: bool = _opt(True, "chat SFT: train on the assistant's reasoning (Qwen3's <think> block, "
+                                    "gpt-oss's analysis channel) with its answer; false: the answer alone")
     packing: bool = _opt(True, "SFT: pack examples into blocks of block_size (attention never crosses examples); "
                          "false (--no_packing) pads each batch to its longest example")
     long_examples: str = _opt("truncate", "SFT examples longer than block_size: truncate or drop (counted either "

@@ -20,13 +20,61 @@ CHATML_TAGGED = ("{% for message in messages %}{% if message['role'] == 'assista
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def _qwen3(tagged: bool) -> str:
+    """Qwen3's template in its reasoning logic: reasoning from `reasoning_content`
+    or a <think> block at the content's start, rendered only for the turns
+    after the last user message; with `tagged`, each answer turn inside
+    {% generation %} tags for transformers' assistant mask."""
+    open_, close = ("{% generation %}", "{% endgeneration %}") if tagged else ("", "")
+    return (
+        "{%- set ns = namespace(last_query=-1) -%}"
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{%- set content = m.content -%}{%- set reasoning = m.reasoning_content if m.reasoning_content else '' -%}"
+        "{%- if '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+        "{{- '<|im_start|>assistant\n' -}}" + open_ +
+        "{%- if loop.index0 > ns.last_query and reasoning -%}"
+        "{{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' -}}{%- endif -%}"
+        "{{- content + '<|im_end|>' -}}" + close + "{{- '\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def _harmony(tagged: bool) -> str:
+    """gpt-oss's harmony format in its channels: an answer's `thinking` in the
+    analysis channel (kept only after the last user message), the answer in
+    the final channel, <|return|> closing the conversation's last answer."""
+    open_, close = ("{% generation %}", "{% endgeneration %}") if tagged else ("", "")
+    return (
+        "{%- set ns = namespace(last_query=-1) -%}"
+        "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}{{- '<|start|>assistant' -}}" + open_ +
+        "{%- if m.thinking and loop.index0 > ns.last_query -%}"
+        "{{- '<|channel|>analysis<|message|>' + m.thinking + '<|end|><|start|>assistant' -}}{%- endif -%}"
+        "{{- '<|channel|>final<|message|>' + m.content + ('<|return|>' if loop.last else '<|end|>') -}}" + close +
+        "{%- else -%}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' -}}{%- endif -%}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}")
+
+
+QWEN3, QWEN3_TAGGED = _qwen3(False), _qwen3(True)
+HARMONY, HARMONY_TAGGED = _harmony(False), _harmony(True)
+REASONING_SPECIAL = ["<|start|>", "<|end|>", "<|return|>", "<|message|>", "<|channel|>"]
+
+
 def chat_tokenizer(texts: list[str], template: str = CHATML) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+    special = SPECIAL + (REASONING_SPECIAL if "<|channel|>" in template else [])
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                         pad_token="<|endoftext|>", unk_token="<|endoftext|>")

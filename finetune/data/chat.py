@@ -110,7 +110,9 @@ def well_formed_messages(messages: Any, where: str) -> list[dict]:
     if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
         raise UsageError(f"{where}: an assistant turn is empty, so there is nothing to learn from it; write the "
                          "answer or drop that turn")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # The reasoning fields the reasoning templates render (Qwen3's reasoning_content, gpt-oss's thinking) stay.
+    return [{"role": m["role"], "content": m["content"],
+             **{key: m[key] for key in REASONING_FIELDS if isinstance(m.get(key), str) and m[key]}} for m in messages]
 
 
 def instruction_messages(row: dict, where: str) -> list[dict]:
@@ -132,13 +134,15 @@ class Encoded:
 class ChatEncoder:
     """Renders rows with the tokenizer's chat template and labels the tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, data_format: str, train_on_prompt: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, data_format: str, train_on_prompt: bool,
+                 train_on_reasoning: bool = True):
         if not tokenizer.is_fast:
             raise UsageError("SFT data needs a fast tokenizer (for token offsets); save the model's tokenizer.json "
                              "with it")
         self.tokenizer = tokenizer
         self.data_format = data_format
         self.train_on_prompt = train_on_prompt
+        self.train_on_reasoning = train_on_reasoning
         self.special_tokens = sorted({t for t in tokenizer.all_special_tokens}
                                      | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special},
                                      key=len, reverse=True)
@@ -180,31 +184,68 @@ class ChatEncoder:
         return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
 
     def render(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The whole conversation as text, and the character spans of the answers."""
+        """The whole conversation as text, and the character spans of the answers.
+
+        An answer's span is found by rendering the conversation up to it: it
+        starts where the generation prompt ends. Reasoning templates (Qwen3,
+        gpt-oss) render an earlier turn's reasoning only while it is the last
+        turn: there the whole conversation is not the turns rendered one by
+        one, and such a turn's answer is found in it by its text instead."""
         full = self._apply(messages, False, where)
         if self.train_on_prompt:
             return full, []
-        spans = []
+        spans, cursor = [], 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
+                cursor = max(cursor, _find_after(full, str(message.get("content") or ""), cursor)[1])
                 continue
             before = self._apply(messages[:i], True, where) if i else ""
             through = self._apply(messages[:i + 1], False, where)
-            if not (through.startswith(before) and full.startswith(through)):
+            if not through.startswith(before):
                 raise UsageError("the chat template renders the start of a conversation differently from the "
                                  "whole conversation, so the answers cannot be located; use a template that only "
                                  "appends turns (--chat_template FILE), or pass --train_on_prompt")
-            spans.append(self._answer_span(through, len(before), message["content"]))
+            if full.startswith(through):
+                span = self._answer_span(through, len(before), message)
+            else:  # this turn is rendered otherwise in the whole conversation (its reasoning left out)
+                prompt = before[len(self._apply(messages[:i], False, where)):] if i else before
+                start, known = self._turn_start(full, cursor, prompt, message)
+                span = self._answer_span(full, start, message, known)
+            spans.append(span)
+            cursor = max(cursor, span[1])
         return full, spans
 
-    def _answer_span(self, text: str, turn_start: int, content: str) -> tuple[int, int]:
-        """From the answer's content through the first special token after it
-        (its end-of-turn token); from the turn's start when the content is not
-        found verbatim (a template that rewrites it). What follows the
-        end-of-turn token (a newline) is never a target."""
+    @staticmethod
+    def _turn_start(full: str, cursor: int, prompt: str, message: dict) -> tuple[int, bool]:
+        """Where a turn found by its text starts in the whole conversation: after
+        the last generation prompt (`prompt`'s text) before its answer; (the
+        search's start, False) when the template wrote none there."""
+        reasoning, answer = reasoning_and_answer(message)
+        at = min((p for p in (full.find(answer.strip(), cursor), full.find(reasoning.strip(), cursor) if
+                              reasoning.strip() else -1) if p >= 0), default=-1)
+        header = full.rfind(prompt, cursor, at) if prompt and at >= 0 else -1
+        return (header + len(prompt), True) if header >= 0 else (cursor, False)
+
+    def _answer_span(self, text: str, turn_start: int, message: dict, known_start: bool = True) -> tuple[int, int]:
+        """What the model writes of its turn: from where the generation prompt
+        ends (`turn_start`; a harmony channel header, a <think> block and the
+        answer are all the model's) through the first special token after the
+        answer (its end-of-turn token); what follows it (a newline) is never a
+        target. With --train_on_reasoning false, from the end of the reasoning
+        the template wrote. Where the turn's start is not `known_start` (a turn
+        found in the whole conversation by its text), from the reasoning or the answer."""
+        reasoning, answer = reasoning_and_answer(message)
         turn = text[turn_start:]
-        found = next(((turn.find(c), c) for c in (content, content.strip()) if c and turn.find(c) >= 0), None)
-        start, after = (found[0], found[0] + len(found[1])) if found else (0, 0)
+        found = next(((turn.find(c), c) for c in (answer, answer.strip()) if c and turn.find(c) >= 0), None)
+        at_answer, after = (found[0], found[0] + len(found[1])) if found else (0, 0)
+        thought = turn.find(reasoning.strip()) if reasoning.strip() else -1
+        wrote_reasoning = 0 <= thought < at_answer
+        if wrote_reasoning and not self.train_on_reasoning:
+            start = thought + len(reasoning.strip())
+        elif known_start:
+            start = 0
+        else:
+            start = thought if wrote_reasoning else at_answer
         ends = [(turn.find(t, after), t) for t in self.special_tokens]
         ends = [(pos, tok) for pos, tok in ends if pos >= 0]
         end = min(pos + len(tok) for pos, tok in ends) if ends else len(turn)
@@ -219,6 +260,29 @@ class ChatEncoder:
         except Exception as e:  # noqa: BLE001  (template code failing on this example's content)
             raise UsageError(f"{where}: the chat template failed on it ({type(e).__name__}: {str(e)[:120]}); fix "
                              "that example, or the template") from None
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+REASONING_FIELDS = ("reasoning_content", "thinking")
+
+
+def reasoning_and_answer(message: dict) -> tuple[str, str]:
+    """An assistant message's reasoning and answer: the reasoning from
+    `reasoning_content` (Qwen3's templates), `thinking` (gpt-oss's) or a
+    <think>...</think> block at the start of the content, which those templates
+    split off the same way."""
+    content = str(message.get("content") or "")
+    reasoning = message.get("reasoning_content") or message.get("thinking") or ""
+    if THINK_CLOSE in content:
+        embedded, _, content = content.partition(THINK_CLOSE)
+        reasoning = reasoning or embedded.split(THINK_OPEN, 1)[-1]
+    return str(reasoning), content.lstrip("\n") if reasoning else content
+
+
+def _find_after(text: str, part: str, start: int) -> tuple[int, int]:
+    """Where `part` first occurs in `text` from `start` (its start and end; `start` twice if nowhere)."""
+    at = text.find(part, start) if part else -1
+    return (at, at + len(part)) if at >= 0 else (start, start)
 
 
 def load_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str, data_format: str, model: str) -> None:
@@ -376,9 +440,9 @@ class PadCollator:
 
 def build_sft_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, data_format: str, block_size: int,
                      train_on_prompt: bool, packing: bool, long_examples: str,
-                     num_proc: int = 0) -> tuple[DatasetDict, str]:
+                     num_proc: int = 0, train_on_reasoning: bool = True) -> tuple[DatasetDict, str]:
     """Training rows for every split, and a one-line description of them."""
-    encoder = ChatEncoder(tokenizer, data_format, train_on_prompt)
+    encoder = ChatEncoder(tokenizer, data_format, train_on_prompt, train_on_reasoning)
     out, notes = {}, []
     for name, split in raw.items():
         examples, stats = encode_split(split, encoder, block_size, long_examples, f"rendering {name} {data_format}",

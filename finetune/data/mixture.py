@@ -110,12 +110,13 @@ class Encoder:
     size like the map-style path does (chat.encode_split)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, sources: list[Source], block_size: int,
-                 train_on_prompt: bool, long_examples: str, pieces: bool):
+                 train_on_prompt: bool, long_examples: str, pieces: bool, train_on_reasoning: bool = True):
         self.tokenizer, self.block_size, self.long_examples = tokenizer, block_size, long_examples
         self.names = [s.name for s in sources]
         self.text_columns = [s.text_column for s in sources]
         self.formats = [s.data_format for s in sources]
-        self.chat = {fmt: ChatEncoder(tokenizer, fmt, train_on_prompt) for fmt in set(self.formats) if fmt != "text"}
+        self.chat = {fmt: ChatEncoder(tokenizer, fmt, train_on_prompt, train_on_reasoning)
+                     for fmt in set(self.formats) if fmt != "text"}
         self.pieces = pieces  # text as examples of at most block_size (a mixture with chat data)
 
     def __call__(self, raw: list[tuple[int, int, dict]]) -> list[Example | None]:
@@ -496,7 +497,7 @@ class MixedRows:
             load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
         self.mode = row_mode(self.formats, cfg.packing)
         self.encoder = Encoder(tokenizer, loaded.sources, cfg.block_size, cfg.train_on_prompt, cfg.long_examples,
-                               pieces=self.mode != "blocks")
+                               pieces=self.mode != "blocks", train_on_reasoning=cfg.train_on_reasoning)
         self.collate = stack_rows if self.mode == "blocks" else PadCollator(pad_id(tokenizer))
         self.data_format = self.formats[0] if len(set(self.formats)) == 1 else "mixture"
 

@@ -221,7 +221,7 @@ class CausalLM(Task):
             return blocks, f"{' / '.join(f'{len(rows)} {name}' for name, rows in blocks.items())} blocks of {cfg.block_size}"
         load_chat_template(tokenizer, cfg.chat_template, data_format, cfg.model)
         return build_sft_splits(raw, tokenizer, data_format, cfg.block_size, cfg.train_on_prompt, cfg.packing,
-                                cfg.long_examples, cfg.preprocessing_num_workers)
+                                cfg.long_examples, cfg.preprocessing_num_workers, cfg.train_on_reasoning)
 
     def _tokenizer_and_model(self, raw_train: Dataset, accelerator: Accelerator, run_dir: Path, from_main: bool):
         """A preset trains its own tokenizer on the training text (once, on the
