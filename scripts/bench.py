@@ -11,6 +11,7 @@ markdown table and JSON.
     python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
     python scripts/bench.py --suite data [--model tiny-gpt2] [--data_workers 2]   # the stream against training
     python scripts/bench.py --suite grpo [--model small-gpt2]   # against TRL's GRPOTrainer: pip install trl
+    python scripts/bench.py --suite moe      # a tiny Qwen3-MoE, against TRL's SFTTrainer: pip install trl
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -897,6 +898,86 @@ def suite_grpo(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def moe_model_and_texts(args, root: Path, count: int = 2000) -> tuple[Path, Path]:
+    """A Qwen3-MoE (8 experts, 2 a token, 4 layers of width 256) built from
+    seed 42 with a tokenizer trained on the built-in corpus, and that corpus's
+    first documents as a JSON Lines file of texts: what both tools train on."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from finetune.data.builtin import build_stdlib_corpus
+    from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
+
+    paragraphs = [json.loads(line)["text"] for line in build_stdlib_corpus().read_text().splitlines()[:count]]
+    texts = root / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    model_dir = root / "moe"
+    save_bpe_tokenizer(Dataset.from_list([{"text": p} for p in paragraphs]), 4096, model_dir)
+    tokenizer = load_preset_tokenizer(model_dir, "small-gpt2")
+    torch.manual_seed(42)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, texts
+
+
+def suite_moe(args) -> tuple[list[dict], str]:
+    """SFT of a mixture of experts with its load-balancing loss, 2 processes
+    under fsdp.yaml, same model, texts, batch and steps: our loop against
+    TRL's SFTTrainer (`pip install trl`, a bench-only dependency)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, texts = moe_model_and_texts(args, Path(tmp))
+
+        def run_case(case: str, round_index: int) -> dict:
+            print(f"[bench] {case}, fsdp.yaml, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{case.replace(' ', '-')}-{round_index}"
+            if case.startswith("TRL"):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_sft.py"), str(model_dir), str(texts),
+                       str(run_dir), str(args.batch), str(args.steps), str(args.block_size), args.mixed_precision]
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
+                if proc.returncode != 0:
+                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
+                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
+                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+                        "distributed_type": ranks[0]["distributed_type"],
+                        "local_params_per_rank": [r["local_params"] for r in ranks]}
+            launch("fsdp.yaml", 2, ["--model", str(model_dir), "--dataset", str(texts), "--data_format", "text",
+                                    "--max_steps", str(args.steps), "--block_size", str(args.block_size),
+                                    "--per_device_batch_size", str(args.batch), "--learning_rate", "1e-4",
+                                    "--output_router_logits", "--max_eval_batches", "1", "--sample_prompt", "",
+                                    "--output_dir", str(run_dir)], args.mixed_precision)
+            return {"case": case, **measure(run_dir)}
+
+        results = fastest_rounds(["finetune SFT", "TRL SFTTrainer"], run_case, args.rounds)
+    ours, trl = results
+    tokens_per_step = ours["tokens_per_sec"] * ours["step_time_s"]
+    lines = [f"Qwen3-MoE of 8 experts (2 a token), 4 layers of width 256, with its load-balancing loss; "
+             f"{args.steps} steps of 2 x {args.batch} blocks of {args.block_size} tokens of the built-in corpus, "
+             f"fsdp.yaml, {args.mixed_precision}, fastest of {args.rounds} round(s); memory in bytes per rank", "",
+             "| case | layout | step time (s) | tokens/s | peak memory per rank | step time vs TRL |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.get("failed"):
+            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | |")
+            continue
+        versus = f"{r['step_time_s'] / trl['step_time_s']:.2f}" if not trl.get("failed") else "-"
+        layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {tokens_per_step / r['step_time_s']:,.0f} | "
+                     f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {versus} |")
+    lines += ["", "tokens/s: the tokens of our step (2 x batch x block size) over each step time; step time: the "
+                  "median, between step ends, after the first steps"]
+    return results, "\n".join(lines)
+
+
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
@@ -960,7 +1041,7 @@ def suite_startup(args) -> tuple[list[dict], str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data",
-                                            "grpo"],
+                                            "grpo", "moe"],
                         default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
@@ -995,7 +1076,7 @@ def main() -> None:
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data, "grpo": suite_grpo}
+              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data, "grpo": suite_grpo, "moe": suite_moe}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
