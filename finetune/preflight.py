@@ -39,7 +39,27 @@ def check_before_loading(cfg: TrainConfig) -> None:
         raise UsageError(f"--chat_template {cfg.chat_template} {not_a_file(Path(cfg.chat_template))}; pass a Jinja "
                          "template file")
     check_reward_files(cfg.reward_funcs)
+    check_router_options(cfg)
     check_launch_runs_here(cfg.peft, cfg.attn_implementation, cfg.use_liger_kernel)  # last: it imports torch
+
+
+def check_router_options(cfg: TrainConfig) -> None:
+    """--output_router_logits on a local model dir whose config.json has no experts."""
+    import json
+
+    from finetune.models import moe
+
+    config_file = Path(cfg.model) / "config.json"
+    if not cfg.output_router_logits or not config_file.is_file():
+        return
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # a damaged config.json is said where the model loads
+    if isinstance(config, dict) and not moe.is_moe(config):
+        raise UsageError(f"--output_router_logits applies to mixture-of-experts models, and --model {cfg.model} is "
+                         f"dense ({config.get('model_type', 'no experts in its config.json')}); drop "
+                         "--output_router_logits and --router_aux_loss_coef")
 
 
 # What save_pretrained writes for a tokenizer (one of them is enough to load it).

@@ -12,8 +12,10 @@ Nothing here knows about training.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the config-only questions here stay light: the preflight asks them before torch loads
+    import torch
 
 EXPERTS_MODULE = "experts"
 # The config names families give their expert count and their experts per token.
@@ -22,6 +24,9 @@ EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_t
 
 
 def _text_config(config):
+    if isinstance(config, dict):  # a config.json read as it is
+        config = config.get("text_config") or config
+        return type("Config", (), config)
     return getattr(config, "text_config", None) or config
 
 
@@ -58,6 +63,8 @@ def fused_expert_parameters(model: torch.nn.Module) -> list[str]:
 def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Each MoE layer's router by its name: the module beside `experts` whose
     weight scores each token against each expert ([experts, hidden])."""
+    import torch
+
     found = {}
     for block_name, block in model.named_modules():
         experts = getattr(block, EXPERTS_MODULE, None)
