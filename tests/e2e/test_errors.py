@@ -110,6 +110,12 @@ def _chat_model(tmp: Path, template: str | None = None) -> list[str]:
     return ["--model", str(save_chat_model(tmp / "chat-model", template=CHATML if template is None else template))]
 
 
+def _moe_model(tmp: Path) -> list[str]:
+    from sft_models import save_family_model
+
+    return ["--model", str(save_family_model(tmp / "moe-model", "qwen3_moe"))]
+
+
 def _chat_rows(tmp: Path, *rows) -> list[str]:
     (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return ["--dataset", str(tmp / "chat.jsonl")]
@@ -268,6 +274,17 @@ CASES = {
                                                                   "is not a regular expression"),
     "GRPO: a reference model without a KL term": (lambda t: _grpo(t, "format", "--reference_model", "tiny-gpt2"),
                                                   "--beta is 0 (no KL term"),
+    "dropout asked for on fused experts": (
+        lambda t: ["--peft", "lora", "--lora_target_modules", "q_proj,experts", "--lora_dropout", "0.1"],
+        "which peft adapts in place without dropout; pass --lora_dropout 0"),
+    "a LoRA target that names nothing in a mixture of experts": (
+        lambda t: [*_moe_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--peft", "lora",
+                   "--lora_target_modules", "q_proj,w1"], "w1, which matches no module or parameter"),
+    "the router's loss on a dense model": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--output_router_logits"],
+        "applies to mixture-of-experts models"),
+    "a router loss coefficient without the router's loss": (
+        lambda t: ["--router_aux_loss_coef", "0.01"], "only --output_router_logits adds; add --output_router_logits"),
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),
@@ -407,10 +424,19 @@ OTHER_COMMANDS = {
                               "as GGUF ("),
     "a GGUF header asking for 2^60 tensors": (lambda t, run: ["generate", _gguf(t, 2**60, 1), "--prompt", "The"],
                                               "its GGUF header is not one a model has"),
+    "GGUF export of a family llama.cpp runs and the export does not convert": (
+        lambda t, run: ["export", _family_model(t, "olmo2"), "--format", "gguf", "--output", t / "model.gguf"],
+        "this one is 'olmo2': export it with --format safetensors"),
     "a validation split that leaves nothing to train on": (
         lambda t, run: ["train", "--dataset", _three_documents(t), "--validation_split", "0.99", "--output_dir",
                         t / "new"], "--validation_split 0.99 of 3 samples holds out every one of them"),
 }
+
+
+def _family_model(tmp: Path, family: str) -> Path:
+    from sft_models import save_family_model
+
+    return save_family_model(tmp / family, family)
 
 
 def _damaged_model(tmp: Path, run: Path, damage) -> Path:
