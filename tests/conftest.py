@@ -494,6 +494,10 @@ def stand_in(placeholder: str, work: Path) -> None:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
+    elif "moe" in name.lower():  # a mixture of experts, as the MoE page's commands need one
+        from sft_models import save_family_model
+
+        save_family_model(path, "qwen3_moe")
     else:  # one small chat model, made once per dir and copied to each model placeholder
         made = work / ".stand-in-model"
         if not made.is_dir():
