@@ -58,6 +58,7 @@ def family_runs(tmp_path_factory, family_dirs, chat_data, env):
                              mixed_precision="no", warm=True))
             runs[family] = run_dir
         return runs[family]
+    run.dirs = family_dirs
     return run
 
 
@@ -86,6 +87,13 @@ def test_each_family_trains_sharded_learns_and_exports_the_same_logits(family, f
         load = summary["expert_load"]
         assert load["experts"] == 4 and len(load["per_layer"]) == 2
         assert all(0 <= layer["min"] <= 0.25 <= layer["max"] <= 1 for layer in load["per_layer"])
+    if family in MOE_FAMILIES:  # the planner's state per rank, every expert held, against what each rank held
+        from finetune.memory import estimate, model_shape
+
+        rows = estimate(model_shape(str(family_runs.dirs[family])), 2, batch=2, block_size=64, mixed_precision="no")
+        planned = next(e for e in rows if e.strategy == "FSDP full shard").state
+        for held in summary["state_bytes_per_rank"]:
+            assert abs(held - planned) < 0.1 * planned, (held, planned)
     check_ok(run_in_process("export", run_dir, "--output", tmp_path / "export"))
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
