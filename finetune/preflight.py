@@ -45,13 +45,12 @@ def check_before_loading(cfg: TrainConfig) -> None:
 
 def check_router_options(cfg: TrainConfig) -> None:
     """--output_router_logits on a local model dir whose config.json has no experts."""
-    import json
-
-    from finetune.models import moe
-
     config_file = Path(cfg.model) / "config.json"
     if not cfg.output_router_logits or not config_file.is_file():
         return
+    import json
+
+    from finetune.models import moe
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):

@@ -10,17 +10,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, GPT2Config
 
 from finetune.errors import UsageError, first_line
 
 if TYPE_CHECKING:  # the model code (transformers' and the CNN's) is imported where a model is built
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import GPT2Config, PretrainedConfig, PreTrainedModel
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def gpt2_config(shape: dict, bos_token_id: int, eos_token_id: int) -> GPT2Config:
+    from transformers import GPT2Config
+
     return GPT2Config(**shape, **NO_DROPOUT, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
 
@@ -160,6 +161,8 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option
                          f"pass a dir written by save_pretrained{instead}")
     if path.is_dir():
         check_model_files(path, f"{option} {name_or_path}")
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except UsageError:

@@ -41,8 +41,9 @@ def test_help_is_grouped_and_offers_only_what_each_command_accepts():
     assert "finetune configs" in top and "UsageError" not in top and "dispatch" not in top
     train = _cli("train", "--help").stdout
     headings = [line.rstrip(":") for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert headings[:9] == ["options", "model", "data", "training", "LoRA", "preference tuning",
-                            "online RL (--method grpo)", "checkpoints and outputs", "evaluation and logging"]
+    assert headings[:10] == ["options", "model", "data", "training", "LoRA", "mixture of experts",
+                             "preference tuning", "online RL (--method grpo)", "checkpoints and outputs",
+                             "evaluation and logging"]
     assert "--config FILE.yaml" in train and "--config " not in _cli("resume", "--help").stdout
 
 
