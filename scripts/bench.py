@@ -939,7 +939,7 @@ def suite_moe(args) -> tuple[list[dict], str]:
             if case.startswith("TRL"):
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                        str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_sft.py"), str(model_dir), str(texts),
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_moe.py"), str(model_dir), str(texts),
                        str(run_dir), str(args.batch), str(args.steps), str(args.block_size), args.mixed_precision]
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
                 if proc.returncode != 0:

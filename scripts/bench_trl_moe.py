@@ -1,0 +1,48 @@
+"""TRL's SFTTrainer on a model dir and a JSON Lines file of texts, for
+`scripts/bench.py --suite moe` (run under `accelerate launch`, as our runs
+are). Each rank writes its step times (between step ends, data loading
+included, as our loop logs them) and its peak resident set to OUT/rank-N.json.
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 \\
+        scripts/bench_trl_moe.py MODEL_DIR TEXTS.jsonl OUT BATCH STEPS BLOCK_SIZE MIXED_PRECISION
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from bench import step_timer  # scripts/ is this script's dir, first on sys.path
+
+    model_dir, texts, out, batch, steps, block_size, mixed_precision = sys.argv[1:]
+    out = Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The router's load-balancing loss, as transformers adds it in the model's forward
+    model = AutoModelForCausalLM.from_pretrained(model_dir, output_router_logits=True)
+
+    timer = step_timer()
+    config = SFTConfig(output_dir=str(out / "trl"), per_device_train_batch_size=int(batch), max_steps=int(steps),
+                       learning_rate=1e-4, max_length=int(block_size), packing=True, bf16=mixed_precision == "bf16",
+                       use_cpu=True, report_to=[], save_strategy="no", logging_steps=int(steps), disable_tqdm=True,
+                       dataloader_drop_last=True, seed=42)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=texts)["train"],
+                         processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{rank}.json").write_text(json.dumps({
+        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "distributed_type": trainer.accelerator.distributed_type.value, "local_params": local}))
+
+
+if __name__ == "__main__":
+    main()
