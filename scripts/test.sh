@@ -15,6 +15,16 @@ if [ "${1:-}" = "--quick" ]; then
     shift
     exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not slow and not alone" "$@"
 fi
+# The whole suite (no arguments) ends with its CPU-seconds by file, checked against tests/budget.json.
+report=""
+if [ $# -eq 0 ]; then
+    report="$(mktemp)"
+    trap 'rm -f "$report"' EXIT
+fi
+export FINETUNE_CPU_REPORT="$report"
 python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "alone or beside_alone" "$@" \
     || [ $? -eq 5 ]  # 5: the arguments selected none of them
 python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not beside_alone" "$@"
+if [ -n "$report" ]; then
+    python tests/budget.py "$report"
+fi

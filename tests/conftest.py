@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
+import budget
 from warm_ranks import open_fifo, wake
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,14 +36,11 @@ CONFIGS = REPO / "accelerate_configs"
 #   every file that launches nothing (no test in it is marked `slow`): they need
 #   little memory, and the alone runs leave a core idle;
 # - then the rest.
-# In each phase the longest files go first (tests/durations.json, each file's
-# measured seconds), so that the short ones fill in at the end: started last, a
-# long one would leave the other worker idle for minutes. A file not measured
-# yet counts as the longest, so that it never runs last unnoticed.
-# FINETUNE_RECORD_DURATIONS=1 rewrites durations.json from the run: each phase
-# its own files (a file with tests in both phases, test_large_models.py, keeps
-# the second phase's part alone: add the first's by hand).
-DURATIONS = Path(__file__).parent / "durations.json"
+# In each phase the costliest files go first (tests/budget.json, each file's
+# CPU-seconds in the last recorded run), so that the short ones fill in at the
+# end: started last, a long one would leave the other worker idle for minutes.
+# A file not measured yet counts as the costliest, so that it never runs last
+# unnoticed.
 
 
 def test_file(item) -> str:
@@ -63,7 +61,7 @@ def takes_a_launch(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers it adds
 def pytest_collection_modifyitems(items):
-    seconds = json.loads(DURATIONS.read_text())
+    seconds = budget.recorded()
     unmeasured = max(seconds.values(), default=0) + 1
     items.sort(key=lambda item: -seconds.get(test_file(item), unmeasured))  # stable: a file keeps its own order
     for item in items:
@@ -75,21 +73,56 @@ def pytest_collection_modifyitems(items):
             item.add_marker("beside_alone")
 
 
-def pytest_sessionfinish(session):
-    """With FINETUNE_RECORD_DURATIONS=1, each file's measured seconds (setup,
-    call and teardown of its tests) into durations.json, on the controller."""
-    if not os.environ.get("FINETUNE_RECORD_DURATIONS") or hasattr(session.config, "workerinput"):
-        return
-    measured = json.loads(DURATIONS.read_text())
-    measured.update({name: round(total, 1) for name, total in FILE_SECONDS.items()})
-    DURATIONS.write_text(json.dumps(dict(sorted(measured.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
+# --- CPU-seconds by file (tests/budget.py) ----------------------------------------------------------
+
+CPU_SPENT = pytest.StashKey[float]()
+FILE_CPU: Counter = Counter()
 
 
-FILE_SECONDS: Counter = Counter()
+def cpu_spent() -> float:
+    """This process's CPU so far: its own, its waited-for children's (launched
+    runs, with their ranks), and its forked runs' (as the fork server reports them)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def timed(item):
+    start = cpu_spent()
+    yield
+    item.stash[CPU_SPENT] = cpu_spent() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from timed(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from timed(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from timed(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    report.cpu_seconds = item.stash.get(CPU_SPENT, 0.0)  # travels to the controller with the report
 
 
 def pytest_runtest_logreport(report):
-    FILE_SECONDS[report.nodeid.split("::")[0].removeprefix("tests/")] += report.duration
+    FILE_CPU[report.nodeid.split("::")[0].removeprefix("tests/")] += getattr(report, "cpu_seconds", 0.0)
+
+
+def pytest_sessionfinish(session):
+    """On the controller, with FINETUNE_CPU_REPORT set (scripts/test.sh): this
+    run's CPU-seconds by file, added to the report tests/budget.py reads."""
+    report = os.environ.get("FINETUNE_CPU_REPORT")
+    if report and not hasattr(session.config, "workerinput"):
+        budget.add_to_report(Path(report), FILE_CPU)
 
 
 def free_port() -> int:
