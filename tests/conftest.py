@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 import budget
-from warm_ranks import open_fifo, wake
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -132,8 +131,11 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache_dir(tmp_path_factory, worker_id) -> Path:
+    """One for the session's workers, as their runs share one fork server (it
+    imported the libraries with these caches' paths). The caches are safe to
+    share: their writers replace whole files."""
+    return made_once(tmp_path_factory, worker_id, "cache", lambda path: None)
 
 
 @pytest.fixture(scope="session")
@@ -172,23 +174,16 @@ def launch_options(nproc: int, config: str, mixed_precision: str | None, extra_l
     return options + ["--mixed_precision", mixed_precision] if mixed_precision else options
 
 
-def config_values(config: str) -> dict:
-    import yaml
-
-    return yaml.safe_load((CONFIGS / config).read_text()) if config.endswith(".yaml") else {}
-
-
 def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fsdp.yaml",
             mixed_precision: str | None = None, timeout: int = 300, extra_launch: Sequence[str] = (),
             warm: bool = False) -> subprocess.CompletedProcess:
     """`accelerate launch ... -m finetune ARGS` with nproc processes, or plain
-    `python -m finetune ARGS` when nproc is None. `warm`: on ranks launched the
-    same way that are already running (WarmRanks), for a test that needs a run,
-    not a launch."""
+    `python -m finetune ARGS` when nproc is None. `warm`: forked from the
+    tests' fork server (ForkServer), for a test that needs a run, not a launch."""
     args = [str(a) for a in args]
-    if warm:
+    if warm and not ForkServer.imports_differ(env):
         options = None if nproc is None else launch_options(nproc, config, mixed_precision, extra_launch)
-        return WarmRanks.run(args, env, options, timeout)
+        return ForkServer.run_together([(args, options)], env, timeout)[0]
     if nproc is None:
         cmd = [sys.executable, "-m", "finetune", *args]
     else:
@@ -198,146 +193,130 @@ def run_cli(args: list[str], env: dict, nproc: int | None = 2, config: str = "fs
 
 
 def run_cli_together(runs: list[tuple[list[str], dict]], env: dict, timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    """Independent warm runs (ARGS, run_cli's launch keywords), each on its own
-    launch, at the same time: one run's ranks leave cores idle (one loads while
-    the other waits, the main process saves alone) that another fills."""
+    """Independent warm runs (ARGS, run_cli's launch keywords) at the same
+    time: one run's ranks leave cores idle (one loads while the other waits,
+    the main process saves alone) that another fills."""
     commands = [([str(a) for a in args], launch_options(launch.get("nproc", 2), launch.get("config", "fsdp.yaml"),
                                                         launch.get("mixed_precision"), launch.get("extra_launch", ())))
                 for args, launch in runs]
-    return WarmRanks.run_together(commands, env, timeout)
+    if ForkServer.imports_differ(env):
+        return [run_cli(args, env, timeout=timeout, **launch) for args, launch in runs]
+    return ForkServer.run_together(commands, env, timeout)
 
 
-class WarmRanks:
-    """Ranks of one real `accelerate launch` that run command after command
-    (tests/warm_ranks.py): a run on them is the run a launch with the same
-    options, environment and working dir would make, without its ~5 s of
-    interpreter start-up and imports. A command that fails on any rank ends the
-    launch, as the launcher ends the other ranks; the next command starts anew.
-    A warm rank's resident-set peak holds its earlier runs': a test that holds a
-    run's peak RSS against a bound launches it afresh."""
+class ForkServer:
+    """The client of tests/fork_server.py, one server for the session's
+    workers: a run forked from it is the run `accelerate launch` with the same
+    options, environment and working dir would make (torchrun's agent starts,
+    watches and ends its ranks), without each rank's ~5 s of interpreter
+    start-up and imports. The server imported the libraries with the session's
+    environment: a run whose environment differs in what a library reads when
+    it loads (IMPORT_TIME) is launched afresh instead."""
 
-    KEPT = 6  # launches kept waiting; each holds its ranks' memory
-    # What a command reads when it runs, not when its ranks start: set for that
-    # command alone, so that one launch serves runs with and without it.
-    PER_COMMAND_ENV = ("FINETUNE_QLORA_ON_CPU",)
-    running: dict[tuple, WarmRanks] = {}
-
-    def __init__(self, options: list[str] | None, env: dict):
-        """`options`: accelerate launch's; None: one plain process, as `python -m finetune`."""
-        self.queue = Path(tempfile.mkdtemp(prefix="warm-ranks-"))
-        (self.queue / "owner").write_text(str(os.getpid()))
-        self.nproc = 1 if options is None else int(options[options.index("--num_processes") + 1])
-        for name in ["wake-tests", *(f"wake-{rank}" for rank in range(self.nproc))]:
-            os.mkfifo(self.queue / name)
-        self.woken = open_fifo(self.queue / "wake-tests")
-        self.n = 0
-        launcher = [] if options is None else ["-m", "accelerate.commands.launch", *options]
-        self.log = (self.queue / "launcher.log").open("w")
-        self.launcher = subprocess.Popen([sys.executable, *launcher, "-m", "tests.warm_ranks", str(self.queue)],
-                                         env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+    IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TQDM_", "PYTORCH_", "OMP_", "MKL_",
+                   "PYTHON", "DS_", "LD_")
+    home: Path | None = None  # the session's dir shared by its workers (set by a session fixture)
+    owner: int = 0  # the process the server lives as long as: the pytest controller
+    cpu_reported = 0.0  # the CPU-seconds of this worker's forked runs so far (conftest.cpu_spent)
 
     @classmethod
-    def run(cls, args: list[str], env: dict, options: list[str] | None, timeout: float) -> subprocess.CompletedProcess:
-        return cls.run_together([(args, options)], env, timeout)[0]
+    def imports_differ(cls, env: dict) -> bool:
+        server = cls.server_env(env)
+        keys = {k for k in (*env, *server) if k.startswith(cls.IMPORT_TIME)}
+        return any(env.get(k) != server.get(k) for k in keys)
+
+    @classmethod
+    def server_env(cls, env: dict) -> dict:
+        """The environment the server runs with; the first worker to ask starts it with `env`."""
+        from filelock import FileLock
+
+        socket_path, recorded = cls.home / "fork-server.sock", cls.home / "fork-server.env.json"
+        with FileLock(str(cls.home / "fork-server.lock")):
+            if not recorded.exists():
+                recorded.write_text(json.dumps(env))
+                log = (cls.home / "fork-server.log").open("w")
+                # The padding holds the launch command lines the launchers write over it.
+                subprocess.Popen([sys.executable, "-m", "tests.fork_server", str(socket_path), str(cls.owner),
+                                  "x" * 32768], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        return json.loads(recorded.read_text())
+
+    @classmethod
+    def connect(cls) -> socket.socket:
+        path, deadline = cls.home / "fork-server.sock", time.monotonic() + 180
+        while not path.exists():  # the server imports first
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fork server did not start:\n" + (cls.home / "fork-server.log").read_text())
+            time.sleep(0.1)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(path))
+        return conn
 
     @classmethod
     def run_together(cls, commands: list[tuple[list[str], list[str] | None]], env: dict,
                      timeout: float) -> list[subprocess.CompletedProcess]:
-        """Commands on launches of different options at the same time (each
-        launch one command), for independent runs whose ranks leave cores idle."""
-        launch_env = {k: v for k, v in env.items() if k not in cls.PER_COMMAND_ENV}
-        command_env = {k: v for k, v in env.items() if k in cls.PER_COMMAND_ENV}
-        keys = [(options and launch_key(options), tuple(sorted(launch_env.items()))) for _, options in commands]
-        assert len(set(keys)) == len(keys), "one command per launch"
-        launches = []
-        for key, (args, options) in zip(keys, commands):
-            ranks = cls.running.pop(key, None)
-            if ranks is None or ranks.launcher.poll() is not None:
-                while len(cls.running) + len(commands) > cls.KEPT:
-                    cls.running.pop(next(iter(cls.running))).close()
-                ranks = WarmRanks(options, launch_env)
-            launches.append((key, ranks, ranks.submit(args, command_env)))
+        """Each command (ARGS, accelerate launch OPTIONS or None for one plain
+        process) forked at once, in the repo's dir as run_cli runs; their results in order."""
+        runs = [cls.submit(args, options, env) for args, options in commands]
         deadline = time.monotonic() + timeout
-        procs = [ranks.collect(n, args, deadline) for (_, ranks, n), (args, _) in zip(launches, commands)]
-        for (key, ranks, _), proc in zip(launches, procs):
-            if proc.returncode == 0:
-                cls.running[key] = ranks  # the most recently used last
-            else:
-                ranks.close(at_once=True)
-        return procs
-
-    def submit(self, args: list[str], env: dict[str, str]) -> int:
-        n, self.n = self.n, self.n + 1
-        scratch = self.queue / f"cmd-{n}.json.tmp"
-        scratch.write_text(json.dumps({"argv": args, "env": env}))
-        scratch.replace(self.queue / f"cmd-{n}.json")
-        for rank in range(self.nproc):
-            wake(self.queue / f"wake-{rank}")
-        return n
-
-    def collect(self, n: int, args: list[str], deadline: float) -> subprocess.CompletedProcess:
-        done = [self.queue / f"done-{n}-{rank}" for rank in range(self.nproc)]
-        failed_at = None
-        while not all(path.exists() for path in done):
-            codes = [int(path.read_text()) for path in done if path.exists()]
-            if any(codes) and failed_at is None:
-                failed_at = time.monotonic()  # the others get a moment to finish, then go with the launch
-            if self.launcher.poll() is not None or (failed_at and time.monotonic() - failed_at > 5):
-                break
-            if time.monotonic() > deadline:
-                self.close(at_once=True)
-                raise subprocess.TimeoutExpired(args, deadline)
-            if select.select([self.woken], [], [], 0.5)[0]:  # a rank is done, or half a second passed
-                os.read(self.woken, 4096)
-        codes = [int(path.read_text()) if path.exists() else 1 for path in done]
-        read = lambda name: "".join((self.queue / f"{name}-{n}-{rank}").read_text()  # noqa: E731
-                                    for rank in range(self.nproc) if (self.queue / f"{name}-{n}-{rank}").exists())
-        stderr = read("err") + ("" if all(path.exists() for path in done) else self.launcher_log())
-        # A rank's own exit code (the first that failed), as `python -m finetune` would leave it.
-        return subprocess.CompletedProcess(args, next((code for code in codes if code), 0), read("out"), stderr)
-
-    def launcher_log(self) -> str:
-        self.log.flush()
-        return (self.queue / "launcher.log").read_text()
-
-    def close(self, at_once: bool = False) -> None:
-        if self.launcher.poll() is None:
-            (self.queue / f"cmd-{self.n}.json").write_text(json.dumps({"exit": True}))
-            for rank in range(self.nproc):
-                wake(self.queue / f"wake-{rank}")
-            try:
-                self.launcher.wait(0 if at_once else 10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.launcher.pid, signal.SIGKILL)
-                self.launcher.wait()
-        self.log.close()
-        os.close(self.woken)
-        shutil.rmtree(self.queue, ignore_errors=True)
+        return [cls.collect(*run, deadline) for run in runs]
 
     @classmethod
-    def close_all(cls) -> None:
-        while cls.running:
-            cls.running.popitem()[1].close(at_once=True)
+    def submit(cls, args: list[str], options: list[str] | None, env: dict) -> tuple[list[str], Path, socket.socket]:
+        """Starts a run; its dir gets the ranks' pids (pid-RANK) as they start."""
+        cls.server_env(env)  # started if it is not yet
+        run_dir = Path(tempfile.mkdtemp(prefix="forked-", dir=cls.home))
+        conn = cls.connect()
+        conn.sendall(json.dumps({"argv": args, "options": options, "env": env, "cwd": str(REPO),
+                                 "run_dir": str(run_dir)}).encode() + b"\n")
+        return args, run_dir, conn
 
+    @classmethod
+    def collect(cls, args: list[str], run_dir: Path, conn: socket.socket, deadline: float) -> subprocess.CompletedProcess:
+        answer = b""
+        with conn:
+            while not answer.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([conn], [], [], left)[0]:
+                    cls.kill(run_dir)
+                    raise subprocess.TimeoutExpired(args, deadline)
+                chunk = conn.recv(65536)
+                if not chunk:
+                    raise RuntimeError(f"the fork server's launcher died: {cls.read(run_dir, ['launcher.log'])}")
+                answer += chunk
+        result = json.loads(answer)
+        cls.cpu_reported += result["cpu"]
+        codes = result["codes"]
+        ranks = range(len(codes))
+        # A rank's own exit code (the first that failed on its own, not by the agent's signal), as
+        # `python -m finetune` would leave it.
+        code = next((c for c in codes if c > 0), next((c for c in codes if c), 0))
+        stderr = cls.read(run_dir, [f"err-{r}" for r in ranks])
+        if any(c < 0 for c in codes) or "error" in result:  # ended from outside: the launcher says why
+            stderr += cls.read(run_dir, ["launcher.log"]) + result.get("error", "")
+        proc = subprocess.CompletedProcess(args, code, cls.read(run_dir, [f"out-{r}" for r in ranks]), stderr)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return proc
 
-def launch_key(options: list[str]) -> tuple[str, ...]:
-    """What makes two launches the same: their options but the port, and but
-    those equal to what the config file sets (its num_processes or mixed_precision)."""
-    own = config_values(Path(options[options.index("--config_file") + 1]).name)
-    key, rest = [], iter(options)
-    for option in rest:
-        value = next(rest) if option in ("--main_process_port", "--num_processes", "--mixed_precision") else None
-        if option == "--main_process_port" or (value is not None and str(own.get(option[2:])) == value):
-            continue
-        key += [option] if value is None else [option, value]
-    return tuple(key)
+    @staticmethod
+    def read(run_dir: Path, names: list[str]) -> str:
+        return "".join((run_dir / n).read_text(errors="replace") for n in names if (run_dir / n).exists())
+
+    @staticmethod
+    def kill(run_dir: Path) -> None:
+        for pid_file in run_dir.glob("pid-*"):
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _close_warm_ranks():
-    yield
-    WarmRanks.close_all()
+def _fork_server_home(tmp_path_factory, worker_id):
+    """Where the workers find the one fork server (started by the first run that needs it)."""
+    shared = tmp_path_factory.getbasetemp()
+    ForkServer.home = shared.parent if worker_id != "master" else shared
+    ForkServer.owner = os.getppid() if worker_id != "master" else os.getpid()
 
 
 def run_in_process(*args) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, WarmRanks, check_ok, launches, run_cli, run_in_process
+from conftest import REPO, check_ok, launches, run_cli, run_in_process
 from sft_models import chat_tokenizer, conversations
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,6 @@ def medium_dir(tmp_path_factory):
 def medium_runs(tmp_path_factory, env, small_corpus, medium_dir):
     """One optimizer step of the medium model on 2 and on 3 processes, at a
     learning rate too small to move any weight, with 300 MB output files."""
-    WarmRanks.close_all()  # their memory: these runs take GBs
     runs = {}
     for nproc in (2, 3):
         run_dir = tmp_path_factory.mktemp(f"medium{nproc}") / "run"
