@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import PreTrainedTokenizerBase
@@ -37,15 +36,17 @@ from transformers import PreTrainedTokenizerBase
 from finetune.backends import for_checkpoint
 from finetune.backends.base import Backend
 from finetune.collectives import WriteFailed, on_every_rank
-from finetune.config import TrainConfig, resume_changes
-from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
-from finetune.data.stream import DataState, EpochBatches, StreamBatches
-from finetune.errors import UsageError, missing_or_odd, write_failure_fix
+from finetune.config import TrainConfig
+from finetune.data.fingerprint import check_same_inputs, reference_fingerprint
+from finetune.data.stream import DataState, EpochBatches
+from finetune.errors import UsageError, write_failure_fix
 from finetune.model_dir import MODEL_CONFIG_DIR, tied_duplicates, write_model_files
 from finetune.parameters import canonical_name
 from finetune.report import rank_warning, say
-from finetune.run_dir import CHECKPOINT_PREFIX, check_run_dir, checkpoint_dirs
-from finetune.verify import MANIFEST, check_pickled_file, verify_manifest, write_manifest
+from finetune.run_dir import (CHECKPOINT_PREFIX, PROGRESS_FILE, checkpoint_step,
+                              complete_checkpoints, saved_config)
+from finetune.manifest import MANIFEST, verify_manifest, write_manifest
+from finetune.verify import check_pickled_file
 from finetune import json_text
 
 class ModelFilesPolicy(Protocol):
@@ -56,7 +57,6 @@ class ModelFilesPolicy(Protocol):
     def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None: ...
 
 
-PROGRESS_FILE = "training_progress.json"
 PREFIX = CHECKPOINT_PREFIX
 FULL_DISK_BYTES = 64 * 2**20  # a failed save with less free space than this ran out of it
 
@@ -72,46 +72,6 @@ class TrainingProgress:
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:06d}"
-
-
-def checkpoint_step(checkpoint_dir: Path) -> int:
-    return int(checkpoint_dir.name[len(PREFIX):])
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (see run_dir.checkpoint_dirs)."""
-    return sorted(checkpoint_dirs(run_dir), key=checkpoint_step)
-
-
-def no_checkpoint_message(run_dir: Path) -> str:
-    if (run_dir / "final").is_dir():
-        return (f"{run_dir} finished with no checkpoint to continue from (--checkpoint_at_end false, or they were "
-                f"removed); train its final model further: --model {run_dir / 'final'} with a new --output_dir")
-    return (f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from: the run stopped before its "
-            "first one; run its training command again (it starts afresh there; --resume_from_checkpoint auto "
-            "does the same when there is none)")
-
-
-def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
-    """Turn `latest`, `auto` or a path into a checkpoint dir, with clear errors.
-    `auto` is `latest` when there is a complete checkpoint and None (start
-    fresh) when there is none: one job script survives preemption and requeueing."""
-    if spec == "auto":
-        found = complete_checkpoints(run_dir)
-        return found[-1] if found else None
-    if spec == "latest":
-        found = complete_checkpoints(run_dir)
-        if not found:
-            raise UsageError(no_checkpoint_message(Path(run_dir)))
-        return found[-1]
-    path = Path(spec)
-    if not path.is_dir():
-        raise UsageError(f"--resume_from_checkpoint {spec} {missing_or_odd(path)}, not a checkpoint dir; pass a "
-                         "checkpoints/step_NNNNNN dir, 'latest' or 'auto'")
-    if not (path / PROGRESS_FILE).is_file():
-        raise UsageError(f"{spec} is not a checkpoint of this tool (no {PROGRESS_FILE}); "
-                         "pass a checkpoints/step_NNNNNN dir or 'latest'")
-    return path
 
 
 def read_progress(checkpoint_dir: Path) -> TrainingProgress:
@@ -131,18 +91,6 @@ def read_progress(checkpoint_dir: Path) -> TrainingProgress:
                          "resume from an earlier one") from None
 
 
-def saved_config(checkpoint_dir: Path) -> dict:
-    """The run config a checkpoint was written with ({} for one without)."""
-    try:
-        saved = yaml.safe_load((checkpoint_dir / "run_config.yaml").read_text(encoding="utf-8"))
-    except OSError:
-        return {}
-    except (yaml.YAMLError, UnicodeDecodeError):
-        raise UsageError(f"{checkpoint_dir / 'run_config.yaml'} is not valid YAML; the checkpoint is damaged, "
-                         "resume from an earlier one") from None
-    return saved if isinstance(saved, dict) else {}
-
-
 def verify_checkpoint(checkpoint_dir: Path, allow_unverified: bool = False) -> TrainingProgress:
     """Everything a resume reads, checked before anything is loaded: the
     manifest's checksums, the progress, the model and optimizer in the layout
@@ -150,6 +98,11 @@ def verify_checkpoint(checkpoint_dir: Path, allow_unverified: bool = False) -> T
     items read safely), the scheduler and RNG files. Without a manifest only
     when `allow_unverified` (the command line's --allow_unverified_checkpoint)."""
     verify_manifest(checkpoint_dir, allow_unverified=allow_unverified)
+    return check_checkpoint_files(checkpoint_dir)
+
+
+def check_checkpoint_files(checkpoint_dir: Path) -> TrainingProgress:
+    """verify_checkpoint less the manifest: what needs the libraries."""
     progress = read_progress(checkpoint_dir)
     for_checkpoint(checkpoint_dir).check_checkpoint_files(checkpoint_dir)
     check_pickled_file(checkpoint_dir / "scheduler.bin")
@@ -182,31 +135,22 @@ def check_compatible(checkpoint_dir: Path, model: torch.nn.Module, backend: Back
                      f"{written.example_config})`), or export it and start from the export with --model")
 
 
-def check_resumable(cfg: TrainConfig, num_processes: int | None = None) -> None:
-    """What a resume can check before any process starts (on `num_processes`
-    ranks): the run dir, the checkpoint's files, the changes asked of it, the
-    files it read, whether its layout resumes on that many ranks, and the base
-    under its adapters."""
+def check_resumable(cfg: TrainConfig, checkpoint: Path, num_processes: int | None = None) -> None:
+    """What a resume checks with the libraries loaded, before any process
+    starts (on `num_processes` ranks), after preflight.check_resume: the
+    checkpoint's files read safely, the frozen reference, whether its layout
+    resumes on that many ranks, and the base under its adapters."""
     from finetune.tasks.base import build_task
 
-    check_run_dir(cfg)
-    checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
-    if checkpoint is not None:
-        progress = verify_checkpoint(checkpoint, cfg.allow_unverified_checkpoint)
-        saved = saved_config(checkpoint)
-        resume_changes(saved, cfg)
-        task = build_task(cfg)
-        check_same_inputs(saved.get("inputs"), input_fingerprints(cfg, task.frozen_reference()), cfg, checkpoint)
-        for source in cfg.sources:
-            dataset = Path(source)
-            if (not dataset.exists() and not glob_matches(source)
-                    and (dataset.suffix or source.startswith((".", "/")))):
-                raise UsageError(f"--dataset {source} does not exist from {Path.cwd()}; {checkpoint} was trained on "
-                                 "it: resume from the dir the run was started in, or put the data back")
-        if num_processes is not None:
-            for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
-            StreamBatches.check_world_size(json.loads((checkpoint / PROGRESS_FILE).read_text()), num_processes)
-        task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
+    progress = check_checkpoint_files(checkpoint)
+    task = build_task(cfg)
+    recorded = saved_config(checkpoint).get("inputs")
+    if isinstance(recorded, dict) and (reference := task.frozen_reference()):
+        check_same_inputs({"reference": recorded.get("reference")}, {"reference": reference_fingerprint(reference)},
+                          cfg, checkpoint)
+    if num_processes is not None:
+        for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
+    task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
 
 
 class StoredState:

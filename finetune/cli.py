@@ -489,11 +489,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     launch = checked_record(recorded.get("launch"), Path(args.run_dir))
     if args.no_relaunch or "launcher_options" not in launch:
         return _run(cfg)
-    # Bad input fails here, in seconds, before any process starts.
-    keep_torchao_out_of_transformers()
-    from finetune.checkpoint import check_resumable
+    # Bad input fails here, before any process starts: most of it in a second, before the libraries load.
+    from finetune.preflight import check_resume
 
-    check_resumable(cfg, args.num_processes or launch.get("num_processes"))
+    num_processes = args.num_processes or launch.get("num_processes")
+    checkpoint = check_resume(cfg, num_processes)
+    if checkpoint is not None:
+        keep_torchao_out_of_transformers()
+        from finetune.checkpoint import check_resumable
+
+        check_resumable(cfg, checkpoint, num_processes)
     return relaunch(Path(args.run_dir), launch, without_options(args.argv, {"--num_processes"}), args.num_processes)
 
 

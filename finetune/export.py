@@ -24,7 +24,7 @@ from finetune.model_card import checkpoint_record, write_model_card
 from finetune.model_dir import check_output_dir, read_generation_config, read_tied, write_model_dir
 from finetune.models.gguf import converted_dir, is_gguf
 from finetune.tasks import task_for_config
-from finetune.verify import verify_manifest
+from finetune.manifest import verify_manifest
 
 if TYPE_CHECKING:
     from finetune.backends.base import Backend
@@ -37,7 +37,7 @@ def find_model_weights(path: str | Path) -> tuple[Backend, Path]:
     """A run dir means its newest complete checkpoint; a checkpoint dir the
     model weights in it, with the backend whose layout they are in."""
     from finetune.backends import REGISTRY as BACKENDS, weights_in
-    from finetune.checkpoint import complete_checkpoints
+    from finetune.run_dir import complete_checkpoints
 
     path = Path(path)
     if not path.is_dir():
@@ -66,7 +66,8 @@ def check_not_inside(output: Path, source: Path) -> None:
 
 def run_data(checkpoint_dir: Path) -> dict | None:
     """The data record (config.data_options) of the run that wrote a checkpoint; None for another tool's."""
-    from finetune.checkpoint import read_progress, saved_config
+    from finetune.checkpoint import read_progress
+    from finetune.run_dir import saved_config
 
     saved = saved_config(checkpoint_dir)
     return data_options(saved, read_progress(checkpoint_dir).world_size) if saved else None

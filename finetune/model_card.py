@@ -79,7 +79,8 @@ class RunRecord:
 def checkpoint_record(checkpoint_dir: Path) -> RunRecord | None:
     """The record of the run that wrote a checkpoint, at the checkpoint's step:
     the run's summary where the run ended there, else what its metrics knew then."""
-    from finetune.checkpoint import read_progress, saved_config
+    from finetune.checkpoint import read_progress
+    from finetune.run_dir import saved_config
 
     config = saved_config(checkpoint_dir)
     if not config:

@@ -3,18 +3,24 @@ process group. Every rank runs them before transformers and datasets are
 imported (about 10 CPU-s a rank on a slow CPU), so a misspelt path or a wrong
 output dir ends a whole launch in about a second; those that ask for devices
 import torch alone, last. The same rules run again where the
-libraries load (sources.locate, models.load_config): here they only come first."""
+libraries load (sources.locate, models.load_config): here they only come first.
+`finetune resume` checks a run dir here the same way before it relaunches."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from finetune.config import resume_changes
+from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
 from finetune.data.locations import locate
+from finetune.data.stream import StreamBatches
 from finetune.errors import UsageError, not_a_file
 from finetune.launch_request import check_launch_runs_here
+from finetune.manifest import verify_manifest
 from finetune.objectives.rewards import check_reward_files
-from finetune.run_dir import check_run_dir
+from finetune.run_dir import PROGRESS_FILE, check_run_dir, resolve_checkpoint, saved_config
 from finetune.safetensors_index import missing_weight_files
 from finetune.tasks import REGISTRY, check_preset_task, task_of_preset
 
@@ -41,6 +47,38 @@ def check_before_loading(cfg: TrainConfig) -> None:
     check_reward_files(cfg.reward_funcs)
     check_router_options(cfg)
     check_launch_runs_here(cfg.peft, cfg.attn_implementation, cfg.use_liger_kernel)  # last: it imports torch
+
+
+def check_resume(cfg: TrainConfig, num_processes: int | None) -> Path | None:
+    """`finetune resume`'s checks that load no library, before the ones that
+    do (checkpoint.check_resumable) and the relaunch: the run dir, the
+    checkpoint and its manifest's checksums, the changes asked of it, the data
+    it was trained on, and a stream's position on `num_processes` ranks.
+    Returns the checkpoint (None: the run starts afresh)."""
+    check_run_dir(cfg)
+    checkpoint = resolve_checkpoint(cfg.output_dir, cfg.resume_from_checkpoint)
+    if checkpoint is None:
+        return None
+    verify_manifest(checkpoint, allow_unverified=cfg.allow_unverified_checkpoint)
+    saved = saved_config(checkpoint)
+    resume_changes(saved, cfg)
+    recorded = saved.get("inputs")
+    if isinstance(recorded, dict):  # the frozen reference's needs the task built: check_resumable's
+        check_same_inputs({name: value for name, value in recorded.items() if name != "reference"},
+                          input_fingerprints(cfg), cfg, checkpoint)
+    for source in cfg.sources:
+        dataset = Path(source)
+        if not dataset.exists() and not glob_matches(source) and (dataset.suffix or source.startswith((".", "/"))):
+            raise UsageError(f"--dataset {source} does not exist from {Path.cwd()}; {checkpoint} was trained on "
+                             "it: resume from the dir the run was started in, or put the data back")
+    if num_processes is not None:
+        try:
+            progress = json.loads((checkpoint / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            return checkpoint  # damaged: check_resumable says so, reading it as training does
+        if isinstance(progress, dict):
+            StreamBatches.check_world_size(progress, num_processes)
+    return checkpoint
 
 
 def check_router_options(cfg: TrainConfig) -> None:

@@ -10,7 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.errors import RankLost, UsageError, why_it_cannot_be_made
+import yaml
+
+from finetune.errors import RankLost, UsageError, missing_or_odd, why_it_cannot_be_made
 
 if TYPE_CHECKING:
     from finetune.config import TrainConfig
@@ -53,6 +55,7 @@ def has_results(run_dir: Path) -> bool:
 
 
 CHECKPOINT_PREFIX = "step_"
+PROGRESS_FILE = "training_progress.json"  # a complete checkpoint's: the step, the data's position
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
@@ -121,3 +124,55 @@ def named_by_rank_zero(local_name: str, timeout_s: int) -> str:
     except RuntimeError:  # the store's timeout (DistStoreError)
         raise RankLost(f"rank 0 did not name the run dir within {timeout_s} s (--ddp_timeout); it stopped before "
                        "training: see its error above, or pass --output_dir") from None
+
+
+def checkpoint_step(checkpoint_dir: Path) -> int:
+    return int(checkpoint_dir.name[len(CHECKPOINT_PREFIX):])
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (see run_dir.checkpoint_dirs)."""
+    return sorted(checkpoint_dirs(run_dir), key=checkpoint_step)
+
+
+def no_checkpoint_message(run_dir: Path) -> str:
+    if (run_dir / "final").is_dir():
+        return (f"{run_dir} finished with no checkpoint to continue from (--checkpoint_at_end false, or they were "
+                f"removed); train its final model further: --model {run_dir / 'final'} with a new --output_dir")
+    return (f"no complete checkpoint under {run_dir / 'checkpoints'} to resume from: the run stopped before its "
+            "first one; run its training command again (it starts afresh there; --resume_from_checkpoint auto "
+            "does the same when there is none)")
+
+
+def resolve_checkpoint(run_dir: str | Path, spec: str) -> Path | None:
+    """Turn `latest`, `auto` or a path into a checkpoint dir, with clear errors.
+    `auto` is `latest` when there is a complete checkpoint and None (start
+    fresh) when there is none: one job script survives preemption and requeueing."""
+    if spec == "auto":
+        found = complete_checkpoints(run_dir)
+        return found[-1] if found else None
+    if spec == "latest":
+        found = complete_checkpoints(run_dir)
+        if not found:
+            raise UsageError(no_checkpoint_message(Path(run_dir)))
+        return found[-1]
+    path = Path(spec)
+    if not path.is_dir():
+        raise UsageError(f"--resume_from_checkpoint {spec} {missing_or_odd(path)}, not a checkpoint dir; pass a "
+                         "checkpoints/step_NNNNNN dir, 'latest' or 'auto'")
+    if not (path / PROGRESS_FILE).is_file():
+        raise UsageError(f"{spec} is not a checkpoint of this tool (no {PROGRESS_FILE}); "
+                         "pass a checkpoints/step_NNNNNN dir or 'latest'")
+    return path
+
+
+def saved_config(checkpoint_dir: Path) -> dict:
+    """The run config a checkpoint was written with ({} for one without)."""
+    try:
+        saved = yaml.safe_load((checkpoint_dir / "run_config.yaml").read_text(encoding="utf-8"))
+    except OSError:
+        return {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise UsageError(f"{checkpoint_dir / 'run_config.yaml'} is not valid YAML; the checkpoint is damaged, "
+                         "resume from an earlier one") from None
+    return saved if isinstance(saved, dict) else {}

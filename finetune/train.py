@@ -29,8 +29,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from finetune.checkpoint import (CheckpointManager, TrainingProgress, checkpoint_step,
-                                 complete_checkpoints, resolve_checkpoint, saved_config)
+from finetune.checkpoint import CheckpointManager, TrainingProgress
 from finetune.config import TrainConfig, defaults_note, resume_changes
 from finetune.cpu_threads import use_cpu_threads
 from finetune.backends import requested_backend
@@ -52,7 +51,8 @@ from finetune.optim import LRSchedule, build_optimizer, build_scheduler
 from finetune.parameters import full_numel
 from finetune.profiling import StepProfiler
 from finetune.signals import NoSignal
-from finetune.run_dir import failed_start, has_results, starts_afresh
+from finetune.run_dir import (checkpoint_step, complete_checkpoints, failed_start, has_results, resolve_checkpoint,
+                              saved_config, starts_afresh)
 from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, read_metrics, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals

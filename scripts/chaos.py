@@ -37,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint  # noqa: E402
+from finetune.checkpoint import verify_checkpoint  # noqa: E402
+from finetune.run_dir import checkpoint_step, complete_checkpoints  # noqa: E402
 
 VICTIMS = ("launcher", "rank 0", "rank 1")
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP)

@@ -16,13 +16,14 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
-from accelerate import Accelerator
-from accelerate.utils import gather_object
-from torch.utils.data import DataLoader
-
 from finetune.errors import UsageError
 
-if TYPE_CHECKING:  # `finetune export` reads checkpoints through this module: no datasets import
+# No library at import: `finetune export` reads checkpoints through this
+# module, and `finetune resume` checks a stream's position before any loads.
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
     from finetune.data.mixture import RowStream
 
 
@@ -111,6 +112,8 @@ class StreamBatches:
 
     def state_dict(self) -> dict:
         """A collective: every rank's position, gathered for the main process to save."""
+        from accelerate.utils import gather_object
+
         return {"stream_positions": gather_object([self.position])}
 
     def load_state_dict(self, state: dict) -> None:
@@ -145,6 +148,8 @@ class StreamBatches:
         except UsageError as e:  # a damaged file: the others must not wait for this rank in the next collective
             error = str(e)
         # Every rank takes as many micro-batches as the one with the fewest.
+        from accelerate.utils import gather_object
+
         counts = gather_object([(len(batches), self._ahead is None, error)])
         if errors := [message for _, _, message in counts if message]:
             raise UsageError(errors[0])

@@ -404,7 +404,8 @@ def test_a_shard_damaged_mid_stream_stops_every_rank_in_one_line_and_keeps_the_c
     assert "resume from the last checkpoint" in errors[0]
     assert "exitcode  : 2" in output and "[rank" not in output and str(REPO / "finetune") not in output  # no worker traceback
     assert proc.returncode != 0
-    from finetune.checkpoint import complete_checkpoints, verify_checkpoint
+    from finetune.checkpoint import verify_checkpoint
+    from finetune.run_dir import complete_checkpoints
 
     checkpoints = complete_checkpoints(run)
     assert checkpoints and int(checkpoints[-1].name.removeprefix("step_")) >= 5  # written before the damage was read

@@ -34,7 +34,8 @@ from conftest import (
 from sft_models import conversations, write_jsonl
 from e2e.test_errors import one_error_line, snapshot
 
-from finetune.checkpoint import checkpoint_step, complete_checkpoints, verify_checkpoint
+from finetune.checkpoint import verify_checkpoint
+from finetune.run_dir import checkpoint_step, complete_checkpoints
 from finetune.errors import UsageError
 from finetune.lock import LOCK_FILE
 
