@@ -253,21 +253,22 @@ class ForkServer:
         return conn
 
     @classmethod
-    def run_together(cls, commands: list[tuple[list[str], list[str] | None]], env: dict,
-                     timeout: float) -> list[subprocess.CompletedProcess]:
+    def run_together(cls, commands: list[tuple[list[str], list[str] | None]], env: dict, timeout: float,
+                     cwd: Path = REPO) -> list[subprocess.CompletedProcess]:
         """Each command (ARGS, accelerate launch OPTIONS or None for one plain
-        process) forked at once, in the repo's dir as run_cli runs; their results in order."""
-        runs = [cls.submit(args, options, env) for args, options in commands]
+        process) forked at once, in `cwd` (the repo's dir, as run_cli runs); their results in order."""
+        runs = [cls.submit(args, options, env, cwd) for args, options in commands]
         deadline = time.monotonic() + timeout
         return [cls.collect(*run, deadline) for run in runs]
 
     @classmethod
-    def submit(cls, args: list[str], options: list[str] | None, env: dict) -> tuple[list[str], Path, socket.socket]:
+    def submit(cls, args: list[str], options: list[str] | None, env: dict,
+               cwd: Path = REPO) -> tuple[list[str], Path, socket.socket]:
         """Starts a run; its dir gets the ranks' pids (pid-RANK) as they start."""
         cls.server_env(env)  # started if it is not yet
         run_dir = Path(tempfile.mkdtemp(prefix="forked-", dir=cls.home))
         conn = cls.connect()
-        conn.sendall(json.dumps({"argv": args, "options": options, "env": env, "cwd": str(REPO),
+        conn.sendall(json.dumps({"argv": args, "options": options, "env": env, "cwd": str(cwd),
                                  "run_dir": str(run_dir)}).encode() + b"\n")
         return args, run_dir, conn
 
@@ -441,7 +442,8 @@ def how_docs_check(command: str, later: list[str], work: Path) -> str:
     - "run": as written, for real: a command that shows a behaviour, and a
       training run a later command goes on from (resumes, exports, trains on);
     - "dry_run": a training launch, as written plus --dry_run (its options,
-      paths and launch checked): a run nothing later needs, or one that needs
+      paths and launch checked; through accelerate's own launch with forked
+      ranks, tests/fork_server.py, where no shell syntax needs bash): a run nothing later needs, or one that needs
       the network, a GPU, the quickstart's model or the reader's own files
       (stood in for by small files);
     - "parse": parsed by its program's own parser: a second machine, a
@@ -558,13 +560,21 @@ def run_docs_commands(work: Path, env: dict) -> None:
         in_shell = ["bash", "-c", "\n".join([*prelude, "set -e"]) + "\n"]
         if how == "dry_run" or words[:2] == ["accelerate", "launch"]:
             assert prelude, f"{command!r} comes before the README says how a new shell finds its commands"
-            launched = command.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
-            launched += " --dry_run" if how == "dry_run" and "--dry_run" not in words else ""
             # QLoRA's options and paths are checked on CPU as the tests run QLoRA here.
             extra = {"FINETUNE_QLORA_ON_CPU": "1"} if "--peft qlora" in command else {}
-            in_shell[-1] += launched
-            proc = subprocess.run(in_shell, env={**shell_env, **extra}, cwd=work, capture_output=True,
-                                  text=True, timeout=300)
+            if how == "dry_run" and "$" not in command and not ForkServer.imports_differ({**shell_env, **extra}):
+                # Its options through accelerate's own launch, with ranks forked: the commands that
+                # really launch (above all the first) show that the shell finds `accelerate`.
+                module = words.index("-m")
+                options = [*words[2:module], "--main_process_port", str(free_port())]
+                args = [*words[module + 2:], *([] if "--dry_run" in words else ["--dry_run"])]
+                proc = ForkServer.run_together([(args, options)], {**shell_env, **extra}, 300, cwd=work)[0]
+            else:
+                launched = command.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
+                launched += " --dry_run" if how == "dry_run" and "--dry_run" not in words else ""
+                in_shell[-1] += launched
+                proc = subprocess.run(in_shell, env={**shell_env, **extra}, cwd=work, capture_output=True,
+                                      text=True, timeout=300)
             if how == "dry_run":
                 assert proc.returncode == 0 and "dry run: " in proc.stdout, (command, proc.stderr[-3000:])
         elif words[:2] == ["finetune", "resume"]:  # relaunches itself: a process of its own, in the tests' env
