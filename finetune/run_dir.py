@@ -95,7 +95,7 @@ def first_link_inside(run_dir: Path) -> Path | None:
 
 # Runs this process has named: every rank of a launch names the same runs in
 # the same order, so the count tells one run's name from the next's (ranks
-# that run several commands, as the tests' warm ranks do).
+# that run several commands in one process, as `main` called from Python does).
 _NAMED = itertools.count()
 
 

@@ -175,7 +175,7 @@ def test_tp_yaml_runs_as_its_header_documents(tmp_path, env, small_corpus, llama
     assert facts["mixed_precision"] == "bf16" and facts["world_size"] == 4 and facts["steps"] == 2
     assert facts["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
 
-    # Refused on the 4 warm ranks the tensor-parallel test above trained on: a run, not a launch.
+    # Refused on 4 forked ranks: a run, not a launch.
     refused = run_cli(["train", *common_args(small_corpus), "--max_steps", "1", "--output_dir", str(tmp_path / "gpt2")],
                       env, nproc=4, config="tp.yaml", mixed_precision="no", warm=True)
     assert refused.returncode != 0
