@@ -608,6 +608,25 @@ def test_resume_refuses_what_it_cannot_change_and_keeps_the_run_config(checkpoin
     remember("a resume that changes the data or optimizer", line, tmp_path)
 
 
+def test_resume_finds_bad_input_before_the_libraries_load(checkpointed_run, tmp_path, env):
+    """`finetune resume` typed in a shell (a process of its own, as users run
+    it): a change it cannot make and a damaged checkpoint file fail before
+    torch loads, each in under 3 CPU-s, with nothing relaunched."""
+    run_dir = copy_run(checkpointed_run, tmp_path)
+    scheduler = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "scheduler.bin"
+    cases = [(["--block_size", "32"], "a resume cannot change --block_size (64 -> 32)"),
+             ([], "does not match the checksum its checkpoint recorded")]
+    for extra, says in cases:
+        if not extra:
+            scheduler.write_bytes(scheduler.read_bytes() + b"x")
+        start = children_cpu_seconds()
+        proc = subprocess.run([sys.executable, "-m", "finetune", "resume", str(run_dir), *extra], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        cpu_seconds = children_cpu_seconds() - start
+        assert proc.returncode == 2 and says in one_error_line(proc.stderr) and "relaunching" not in proc.stdout
+        assert cpu_seconds < 3, (says, cpu_seconds)
+
+
 def test_a_second_live_run_in_the_same_dir_is_refused(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
