@@ -82,7 +82,7 @@ def cpu_spent() -> float:
     """This process's CPU so far: its own, its waited-for children's (launched
     runs, with their ranks), and its forked runs' (as the fork server reports them)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + ForkServer.cpu_reported
 
 
 def timed(item):
