@@ -165,3 +165,55 @@ def test_a_dry_run_checks_what_train_checks_first_and_writes_nothing(tmp_path):
                           "--dry_run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and "none.txt does not exist" in lines[0], bad.stderr
+
+
+CHECKS_A_RESUME = """
+import json, sys
+from pathlib import Path
+from finetune.config import load_config
+from finetune.errors import UsageError
+from finetune.preflight import check_resume
+run = Path(sys.argv[1])
+results = []
+for overrides, processes, damage in json.loads(sys.argv[2]):
+    if damage:
+        with open(run / "checkpoints" / "step_000002" / "scheduler.bin", "ab") as f:
+            f.write(b"x")
+    try:
+        cfg = load_config(run / "run_config.yaml", {"resume_from_checkpoint": "latest", "output_dir": str(run), **overrides})
+        results.append(str(check_resume(cfg, processes)))
+    except UsageError as e:
+        results.append(f"error: {e}")
+print(json.dumps({"results": results, "loaded": [m for m in ("torch", "transformers", "datasets", "accelerate")
+                                                 if m in sys.modules]}))
+"""
+
+
+def test_a_resume_is_checked_before_the_libraries_load(tmp_path):
+    """preflight.check_resume, on a run dir with one checkpoint (a stream's, of
+    2 ranks): what it refuses, and that it imports none of the heavy libraries."""
+    from finetune.manifest import write_manifest
+
+    (tmp_path / "notes.txt").write_text("a note\n")
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    recorded = yaml.safe_dump({"model": "tiny-gpt2", "dataset": str(tmp_path / "notes.txt"), "output_dir": str(run),
+                               "block_size": 64})
+    for config in (run / "run_config.yaml", checkpoint / "run_config.yaml"):
+        config.write_text(recorded)
+    (checkpoint / "training_progress.json").write_text(json.dumps({"step": 2, "world_size": 2,
+                                                                   "stream_positions": [3, 4]}))
+    (checkpoint / "scheduler.bin").write_bytes(b"the scheduler's state")
+    write_manifest(checkpoint)
+    cases = [({}, 2, False), ({"block_size": 32}, 2, False), ({}, 3, False), ({}, 2, True)]
+    proc = subprocess.run([sys.executable, "-c", CHECKS_A_RESUME, str(run), json.dumps(cases)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    ok, changed, other_world, damaged = found["results"]
+    assert ok == str(checkpoint)
+    assert "a resume cannot change --block_size (64 -> 32)" in changed
+    assert "stream positions are those of 2 ranks" in other_world and "--num_processes 2" in other_world
+    assert f"{checkpoint / 'scheduler.bin'} does not match the checksum" in damaged
+    assert found["loaded"] == []
