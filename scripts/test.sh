@@ -24,7 +24,10 @@ fi
 export FINETUNE_CPU_REPORT="$report"
 python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "alone or beside_alone" "$@" \
     || [ $? -eq 5 ]  # 5: the arguments selected none of them
-python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not beside_alone" "$@"
-if [ -n "$report" ]; then
-    python tests/budget.py "$report"
+status=0
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not beside_alone" "$@" \
+    || status=$?
+if [ -n "$report" ]; then  # the table also after a failure: it says where the time went
+    python tests/budget.py "$report" || status=$((status ? status : 1))
 fi
+exit "$status"

@@ -273,7 +273,8 @@ class ForkServer:
         return args, run_dir, conn
 
     @classmethod
-    def collect(cls, args: list[str], run_dir: Path, conn: socket.socket, deadline: float) -> subprocess.CompletedProcess:
+    def collect(cls, args: list[str], run_dir: Path, conn: socket.socket,
+                deadline: float) -> subprocess.CompletedProcess:
         answer = b""
         with conn:
             while not answer.endswith(b"\n"):

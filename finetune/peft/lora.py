@@ -168,8 +168,9 @@ def dropout_note(model: torch.nn.Module, dropout: float) -> str:
     config = model.peft_config[ADAPTER_NAME]
     if not (dropout and config.target_parameters):
         return ""
-    return (f"; no dropout on the adapters of {', '.join(config.target_parameters)} (peft adapts those parameters "
-            f"in place, where it cannot apply dropout), {dropout} on the linear layers'")
+    adapted_in_place = ", ".join(sorted(config.target_parameters))  # sorted: peft may hold them as a set
+    return (f"; no dropout on the adapters of {adapted_in_place} (peft adapts those parameters in place, where it "
+            f"cannot apply dropout), {dropout} on the linear layers'")
 
 
 def adapted_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

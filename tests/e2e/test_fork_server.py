@@ -39,10 +39,6 @@ def test_a_rank_that_dies_ends_its_run_and_not_the_server(tmp_path, env, small_c
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]  # both ended and reaped
 
 
-def files_of(checkpoints: Path) -> dict[str, int]:
-    return {p.relative_to(checkpoints).as_posix(): p.stat().st_size for p in sorted(checkpoints.rglob("*")) if p.is_file()}
-
-
 SAVE_ID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -85,4 +81,5 @@ def test_a_forked_run_is_the_launched_run(config, tmp_path, env, small_corpus):
     assert [str(name) for name in files if comparable(launched / name) != comparable(forked / name)] == []
     for shard_dir in launched.glob("step_*/pytorch_model_fsdp_0"):  # FSDP's model: a shard file per rank
         per_file = dcp_elements_per_file(shard_dir, skip=set())
-        assert len(per_file) == 2 and dcp_elements_per_file(forked / shard_dir.relative_to(launched), skip=set()) == per_file
+        assert len(per_file) == 2
+        assert dcp_elements_per_file(forked / shard_dir.relative_to(launched), skip=set()) == per_file
