@@ -9,6 +9,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # a fresh interpreter of its own (what it imports): not the quick tier's
 @pytest.mark.parametrize("deepspeed_run", [False, True])
 def test_only_a_deepspeed_run_imports_deepspeed_when_accelerate_unwraps(deepspeed_run):
     pytest.importorskip("deepspeed")

@@ -61,6 +61,7 @@ def test_top_level_help_lists_the_commands():
         assert command in out
 
 
+@pytest.mark.slow  # a fresh interpreter of its own (what it imports): not the quick tier's
 @pytest.mark.parametrize("kept_out", [False, True])
 def test_transformers_model_code_imports_torchao_unless_kept_out(kept_out):
     """Guards finetune.cli.keep_torchao_out_of_transformers from both sides: the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 # A rank's state when its stream forks encoding workers: a SIGTERM handler that
@@ -33,6 +35,7 @@ print(round(time.monotonic() - start, 1), [w.is_alive() for w in workers])
 """
 
 
+@pytest.mark.slow  # a fresh interpreter of its own (what it imports): not the quick tier's
 def test_encoding_workers_end_when_the_stream_closes_whatever_the_rank_does_with_sigterm():
     """They inherit the rank's handlers: one that only records a stop kept a
     worker alive through the pool's SIGTERM, and the rank hung at the run's end."""

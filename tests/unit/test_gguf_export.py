@@ -441,6 +441,7 @@ def test_what_gguf_cannot_hold_is_one_line_and_leaves_the_output_alone(model_dir
     assert out.read_bytes()[:4] == b"GGUF"
 
 
+@pytest.mark.slow  # a fresh interpreter of its own (what it imports): not the quick tier's
 def test_generate_from_a_gguf_file_imports_no_deepspeed_and_prints_only_the_text(tmp_path, env):
     """The first read of a GGUF file converts it (save_pretrained, whose unwrap
     imported DeepSpeed wherever installed, and DeepSpeed's warning landed in
