@@ -411,6 +411,19 @@ def step_timer():
     return StepTimer()
 
 
+def write_rank_result(trainer, timer, out: Path, **extra) -> None:
+    """A TRL script's rank result, OUT/rank-N.json: its step times, peak
+    resident set, and what the Trainer made of the launch (the distributed
+    type and how many parameters this rank holds), with `extra` fields."""
+    import resource
+
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank-{trainer.accelerator.process_index}.json").write_text(json.dumps({
+        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "distributed_type": trainer.accelerator.distributed_type.value, "local_params": local, **extra}))
+
+
 def trainer_step_times(run_dir: Path, args, mixed_precision: str) -> list[float]:
     """The HF Trainer on the blocks our run trained on (same tokenizer, data,
     split, seed), the same model (a preset built from the seed, or --model's

@@ -12,8 +12,6 @@ reward and completion length of every step, and its layout to OUT/rank-N.json.
 
 from __future__ import annotations
 
-import json
-import resource
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench import step_timer  # scripts/ is this script's dir, first on sys.path
+    from bench import step_timer, write_rank_result  # scripts/ is this script's dir, first on sys.path
     from finetune.objectives.rewards import exact_match
 
     model_dir, prompts, out, batch, generations, length, steps, learning_rate, mixed_precision = sys.argv[1:]
@@ -43,15 +41,9 @@ def main() -> None:
                           train_dataset=load_dataset("json", data_files=prompts)["train"],
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    rank = trainer.accelerator.process_index
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
     logged = [row for row in trainer.state.log_history if "reward" in row]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank-{rank}.json").write_text(json.dumps({
-        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "distributed_type": trainer.accelerator.distributed_type.value, "local_params": local,
-        "rewards": [row["reward"] for row in logged],
-        "completion_lengths": [row["completions/mean_length"] for row in logged]}))
+    write_rank_result(trainer, timer, out, rewards=[row["reward"] for row in logged],
+                      completion_lengths=[row["completions/mean_length"] for row in logged])
 
 
 if __name__ == "__main__":

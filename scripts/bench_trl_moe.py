@@ -9,8 +9,6 @@ included, as our loop logs them) and its peak resident set to OUT/rank-N.json.
 
 from __future__ import annotations
 
-import json
-import resource
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from bench import step_timer  # scripts/ is this script's dir, first on sys.path
+    from bench import step_timer, write_rank_result  # scripts/ is this script's dir, first on sys.path
 
     model_dir, texts, out, batch, steps, block_size, mixed_precision = sys.argv[1:]
     out = Path(out)
@@ -36,12 +34,7 @@ def main() -> None:
     trainer = SFTTrainer(model=model, args=config, train_dataset=load_dataset("json", data_files=texts)["train"],
                          processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    rank = trainer.accelerator.process_index
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainer.model.parameters())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank-{rank}.json").write_text(json.dumps({
-        "step_times": timer.times, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "distributed_type": trainer.accelerator.distributed_type.value, "local_params": local}))
+    write_rank_result(trainer, timer, out)
 
 
 if __name__ == "__main__":
