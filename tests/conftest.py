@@ -218,6 +218,7 @@ class ForkServer:
     home: Path | None = None  # the session's dir shared by its workers (set by a session fixture)
     owner: int = 0  # the process the server lives as long as: the pytest controller
     cpu_reported = 0.0  # the CPU-seconds of this worker's forked runs so far (conftest.cpu_spent)
+    started_with: dict | None = None  # the server's environment, once this worker has asked
 
     @classmethod
     def imports_differ(cls, env: dict) -> bool:
@@ -228,6 +229,12 @@ class ForkServer:
     @classmethod
     def server_env(cls, env: dict) -> dict:
         """The environment the server runs with; the first worker to ask starts it with `env`."""
+        if cls.started_with is None:
+            cls.started_with = cls.start(env)
+        return cls.started_with
+
+    @classmethod
+    def start(cls, env: dict) -> dict:
         from filelock import FileLock
 
         socket_path, recorded = cls.home / "fork-server.sock", cls.home / "fork-server.env.json"
@@ -319,6 +326,7 @@ def _fork_server_home(tmp_path_factory, worker_id):
     shared = tmp_path_factory.getbasetemp()
     ForkServer.home = shared.parent if worker_id != "master" else shared
     ForkServer.owner = os.getppid() if worker_id != "master" else os.getpid()
+    ForkServer.started_with = None
 
 
 def run_in_process(*args) -> subprocess.CompletedProcess:

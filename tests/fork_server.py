@@ -136,7 +136,7 @@ def become_rank(args: list[str], env: dict[str, str], out: int, err: int) -> int
     die_with_parent()
     os.dup2(out, 1)
     os.dup2(err, 2)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 65536 else 65536)
+    os.closerange(3, min(os.sysconf("SC_OPEN_MAX"), 65536))  # as Popen(close_fds=True) leaves a child
     # -u, as torchrun runs them: unbuffered binary, write-through text.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
