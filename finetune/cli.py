@@ -378,14 +378,16 @@ def is_rank_zero() -> bool:
 # so the others wait, up to this long, for the launcher to end them once rank 0
 # has exited; not when the launcher is already gone (nobody would end them).
 RANK_ZERO_GRACE_S = 60
-LAUNCHER_PID = os.getppid()
 
 
-def leave_the_word_to_rank_zero() -> None:
+def leave_the_word_to_rank_zero(launcher_pid: int) -> None:
+    """`launcher_pid`: this process's parent when the command started (read
+    then, not at import: a process forked from one that imported finetune has
+    another parent)."""
     import time
 
     deadline = time.monotonic() + RANK_ZERO_GRACE_S
-    while os.getppid() == LAUNCHER_PID and time.monotonic() < deadline:
+    while os.getppid() == launcher_pid and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -700,6 +702,7 @@ def keep_torchao_out_of_transformers() -> None:
 
 
 def run_command(argv: list[str] | None) -> int:
+    launcher_pid = os.getppid()
     try:
         args = parse(argv)
         return args.func(args)
@@ -707,7 +710,7 @@ def run_command(argv: list[str] | None) -> int:
         if is_rank_zero():
             print(f"error: {e}", file=sys.stderr)
         else:
-            leave_the_word_to_rank_zero()
+            leave_the_word_to_rank_zero(launcher_pid)
         return e.exit_code
     except RankLost as e:  # every rank that noticed says so: the one that stopped answering may be rank 0
         print(f"error: {e}", file=sys.stderr)

@@ -55,6 +55,33 @@ def test_console_exit_code_2_and_one_line_for_bad_input(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_rank_forked_after_import_still_leaves_the_word_to_rank_zero(tmp_path, monkeypatch):
+    """A rank that is not 0 meets bad input and waits for its launcher (here:
+    this process) to end it, so that rank 0 can print first. The launcher is
+    the parent when the command starts, not when finetune was imported: a
+    process forked from one that had imported it must wait too."""
+    import os
+    import time
+
+    from finetune import cli
+
+    monkeypatch.setattr(cli, "RANK_ZERO_GRACE_S", 1.5)
+    monkeypatch.setenv("RANK", "1")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the rank: its parent is this test's process, not the one that imported finetune
+        os.close(read)
+        start = time.monotonic()
+        code = cli.run_command(["train", "--max_step", "3", "--output_dir", str(tmp_path / "run")])
+        os.write(write, f"{code} {time.monotonic() - start}".encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        code, waited = pipe.read().split()
+    os.waitpid(child, 0)
+    assert int(code) == 2 and float(waited) >= 1.4
+
+
 def test_top_level_help_lists_the_commands():
     out = _cli("--help").stdout
     for command in ("train", "resume", "export", "generate", "evaluate", "estimate-memory"):
