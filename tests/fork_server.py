@@ -40,11 +40,16 @@ import time
 import traceback
 from pathlib import Path
 
-# What a run imports, imported once here (the rest a run imports itself).
+# What a run imports, imported once here (the rest a run imports itself):
+# among them what a run loads only on its way (evaluate for the eval metric,
+# matplotlib for loss.png), about a third of a tiny run's CPU otherwise.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "transformers", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.llama.modeling_llama", "accelerate", "accelerate.commands.launch", "datasets",
-           "safetensors.torch", "finetune.cli", "finetune.train")
+           "safetensors.torch", "torch.distributed.checkpoint.state_dict", "scipy.io", "evaluate",
+           "matplotlib.pyplot", "matplotlib.backends.backend_agg", "finetune.cli", "finetune.train",
+           "finetune.tasks.causal_lm", "finetune.tasks.image_classification", "finetune.objectives.preference",
+           "finetune.objectives.grpo", "finetune.inference", "finetune.export", "finetune.gguf_export")
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -269,10 +274,21 @@ def serve(socket_path: Path, owner: int) -> None:
     import torch
 
     INITIAL_TORCH_STATE = torch.default_generator.get_state()
+    import gc
     import importlib
 
+    import matplotlib
+
+    from finetune.cli import keep_torchao_out_of_transformers
+
+    keep_torchao_out_of_transformers()  # as every command does before transformers' model code loads
+    matplotlib.use("Agg")  # as finetune.report does
     for name in PRELOAD:
         importlib.import_module(name)
+    # The imports' objects live as long as the process: kept out of the
+    # collector's passes, a rank's gc.collect() neither walks them nor copies
+    # the pages they are on.
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     scratch = socket_path.with_name(socket_path.name + ".tmp")
     scratch.unlink(missing_ok=True)
