@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -318,6 +319,24 @@ class ForkServer:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _imports_out_of_the_collector():
+    """The libraries most tests import, imported once and frozen: kept out of
+    the collector's full passes, which otherwise walk their half a million
+    objects each time an in-process test's allocations trigger one (a test
+    that parses the standard library took twice as long)."""
+    import accelerate  # noqa: F401
+    import datasets  # noqa: F401
+
+    from finetune.cli import keep_torchao_out_of_transformers
+
+    keep_torchao_out_of_transformers()  # as each command does before transformers' model code loads
+    import transformers.modeling_utils  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

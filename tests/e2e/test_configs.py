@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, REPO, check_ok, common_args, free_port, run_cli, run_cli_together, run_in_process, train_rows
+from conftest import CONFIGS, REPO, ForkServer, check_ok, common_args, free_port, run_cli, run_cli_together, run_in_process, train_rows
 from e2e.test_errors import children_cpu_seconds
 
 pytestmark = pytest.mark.slow
@@ -124,17 +124,26 @@ def test_every_config_is_launched_as_documented():
 def test_config_runs_as_its_header_documents(config, tmp_path, env, small_corpus):
     """The header's command, [OPTIONS] filled in, nothing else added but a free
     port: the config's own precision (bf16 for most, on any CPU) and process
-    count. A GPU-only config stops every rank with the same line on a CPU machine."""
+    count, through accelerate's own launch (the ranks forked from the tests'
+    fork server: what launching itself does is test_fork_server's and
+    test_multinode_on_one_machine's). A GPU-only config is launched afresh: it
+    stops every rank with the same line on a CPU machine, at a launch's cost."""
     words = documented_launch(config)
     assert words[-1] == "[OPTIONS]"
     run_dir = tmp_path / "run"
     options = [*common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
-           *words[2:-1], *options]
-    cpu_start = children_cpu_seconds()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    launch_options = ["--main_process_port", str(free_port()), *words[2:words.index("-m")]]
+    gpu_only = config in GPU_ONLY and not torch.cuda.is_available()
+    if gpu_only or ForkServer.imports_differ(env):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_options, *words[words.index("-m"):-1],
+               *options]
+        cpu_start = children_cpu_seconds()
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    else:
+        assert words[words.index("-m"):-1] == ["-m", "finetune", "train"]
+        proc = ForkServer.run_together([(["train", *options], launch_options)], env, 300)[0]
     settings = yaml.safe_load((CONFIGS / config).read_text())
-    if config in GPU_ONLY and not torch.cuda.is_available():
+    if gpu_only:
         assert proc.returncode != 0
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert errors and GPU_ONLY[config] in errors[0], proc.stderr[-2000:]

@@ -20,3 +20,45 @@ def test_builtin_corpus_is_real_text_and_deterministic(tmp_path, monkeypatch):
     import argparse
 
     assert argparse.__doc__.strip() in docs  # module docstrings are read from the source files
+
+
+def test_definitions_are_found_in_ast_walks_order():
+    """The corpus's order is ast.walk's: every definition, however nested
+    (methods, functions in try/except/else/finally, with, match and loops),
+    and none more."""
+    import ast
+    import inspect
+
+    from finetune.data import builtin
+
+    source = '''
+class A:
+    def m(self):
+        def inner(): pass
+        return lambda: 0
+    class B:
+        async def n(self): pass
+try:
+    def t(): pass
+except ValueError:
+    def e(): pass
+else:
+    def el(): pass
+finally:
+    def f(): pass
+with open("x") as h:
+    def w(): pass
+match 1:
+    case 1:
+        def c(): pass
+for i in range(2):
+    if i:
+        def loop(): pass
+    else:
+        class Other: pass
+while False:
+    def wl(): pass
+'''
+    for tree in (ast.parse(source), ast.parse(inspect.getsource(ast))):
+        walked = [n for n in ast.walk(tree) if isinstance(n, builtin.DEFINITIONS)]
+        assert builtin._definitions(tree) == walked and len(walked) > 10
