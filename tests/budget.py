@@ -33,11 +33,12 @@ def recorded() -> dict[str, float]:
     return json.loads(BUDGET.read_text())
 
 
-def add_to_report(path: Path, seconds: dict[str, float]) -> None:
-    """Adds one pytest run's CPU-seconds by file to the report at `path` (a phase of scripts/test.sh)."""
+def add_to_report(path: Path, seconds: dict[str, list[float]]) -> None:
+    """Adds one pytest run's CPU-seconds by file, in conftest's CPU_PARTS, to
+    the report at `path` (a phase of scripts/test.sh)."""
     report = json.loads(path.read_text()) if path.exists() and path.stat().st_size else {}
-    for name, spent in seconds.items():
-        report[name] = round(report.get(name, 0.0) + spent, 1)
+    for name, parts in seconds.items():
+        report[name] = [round(a + b, 1) for a, b in zip(report.get(name, [0.0] * len(parts)), parts)]
     path.write_text(json.dumps(report, indent=1) + "\n")
 
 
@@ -56,26 +57,31 @@ def overruns(measured: dict[str, float], budget: dict[str, float]) -> list[str]:
     return found
 
 
-def table(measured: dict[str, float], budget: dict[str, float]) -> str:
-    total, budget_total = sum(measured.values()), sum(budget.values()) or 1.0
-    lines = [f"{'CPU-s':>8} {'share':>6} {'budget':>7}  file"]
-    for name, spent in sorted(measured.items(), key=lambda kv: -kv[1]):
+def table(measured: dict[str, list[float]], budget: dict[str, float]) -> str:
+    totals = {name: sum(parts) for name, parts in measured.items()}
+    total, budget_total = sum(totals.values()), sum(budget.values()) or 1.0
+    lines = [f"{'CPU-s':>8} {'share':>6} {'budget':>7} {'worker':>8} {'launched':>9} {'forked':>8}  file"]
+    for name, spent in sorted(totals.items(), key=lambda kv: -kv[1]):
         was = f"{budget[name] / budget_total:.1%}" if name in budget else "new"
-        lines.append(f"{spent:8.1f} {spent / total:6.1%} {was:>7}  {name}")
-    lines.append(f"{total:8.1f}         total ({budget_total:.0f} recorded)")
+        worker, launched, forked = measured[name]
+        lines.append(f"{spent:8.1f} {spent / total:6.1%} {was:>7} {worker:8.1f} {launched:9.1f} {forked:8.1f}  {name}")
+    worker, launched, forked = (sum(parts[i] for parts in measured.values()) for i in range(3))
+    lines.append(f"{total:8.1f} {'':6} {'':>7} {worker:8.1f} {launched:9.1f} {forked:8.1f}  total "
+                 f"({budget_total:.0f} recorded)")
     return "\n".join(lines)
 
 
 def main(report: Path) -> int:
-    measured = {name: spent for name, spent in json.loads(report.read_text()).items()}
+    measured = json.loads(report.read_text())  # file: [worker, launched, forked]
+    totals = {name: round(sum(parts), 1) for name, parts in measured.items()}
     budget = recorded()
-    print("\nCPU-seconds by test file (the pytest workers, their launched runs and the forked ranks):")
+    print("\nCPU-seconds by test file: the pytest worker's own, its launched runs and other commands', its forked runs'")
     print(table(measured, budget))
     if os.environ.get("FINETUNE_RECORD_BUDGET"):
-        BUDGET.write_text(json.dumps(dict(sorted(measured.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
+        BUDGET.write_text(json.dumps(dict(sorted(totals.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
         print(f"recorded in {BUDGET}: commit it with the reason in the message")
         return 0
-    found = overruns(measured, budget)
+    found = overruns(totals, budget)
     for line in found:
         print(f"over budget: {line}")
     if found:

@@ -75,21 +75,23 @@ def pytest_collection_modifyitems(items):
 
 # --- CPU-seconds by file (tests/budget.py) ----------------------------------------------------------
 
-CPU_SPENT = pytest.StashKey[float]()
-FILE_CPU: Counter = Counter()
+# Each test's CPU in three parts: the pytest worker's own, its waited-for
+# children's (launched runs with their ranks, and other commands), and its
+# forked runs' (as the fork server reports them, launcher and ranks).
+CPU_PARTS = ("worker", "launched", "forked")
+CPU_SPENT = pytest.StashKey[list]()
+FILE_CPU: dict[str, list[float]] = {}
 
 
-def cpu_spent() -> float:
-    """This process's CPU so far: its own, its waited-for children's (launched
-    runs, with their ranks), and its forked runs' (as the fork server reports them)."""
+def cpu_spent() -> list[float]:
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system + ForkServer.cpu_reported
+    return [t.user + t.system, t.children_user + t.children_system, ForkServer.cpu_reported]
 
 
 def timed(item):
     start = cpu_spent()
     yield
-    item.stash[CPU_SPENT] = cpu_spent() - start
+    item.stash[CPU_SPENT] = [now - then for now, then in zip(cpu_spent(), start)]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -110,11 +112,13 @@ def pytest_runtest_teardown(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    report.cpu_seconds = item.stash.get(CPU_SPENT, 0.0)  # travels to the controller with the report
+    report.cpu_seconds = item.stash.get(CPU_SPENT, [0.0] * len(CPU_PARTS))  # travels to the controller with the report
 
 
 def pytest_runtest_logreport(report):
-    FILE_CPU[report.nodeid.split("::")[0].removeprefix("tests/")] += getattr(report, "cpu_seconds", 0.0)
+    parts = FILE_CPU.setdefault(report.nodeid.split("::")[0].removeprefix("tests/"), [0.0] * len(CPU_PARTS))
+    for i, spent in enumerate(getattr(report, "cpu_seconds", ())):
+        parts[i] += spent
 
 
 def pytest_sessionfinish(session):
