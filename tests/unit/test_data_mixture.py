@@ -12,7 +12,8 @@ from conftest import REPO
 # A rank's state when its stream forks encoding workers: a SIGTERM handler that
 # only records a stop request (finetune/stopping.py), as during training.
 WORKERS_UNDER_A_STOP_HANDLER = """
-import multiprocessing, signal, sys, time
+import faulthandler, multiprocessing, signal, sys, time
+faulthandler.dump_traceback_later(120, exit=True)  # a hang says where (seen once under a whole suite's load)
 sys.path.insert(0, "tests")
 from sft_models import chat_tokenizer
 from finetune.data.mixture import Encoder, RowStream, Source
