@@ -32,7 +32,7 @@ start = time.monotonic()
 stream.close()
 for worker in workers:
     worker.join(20)
-print(round(time.monotonic() - start, 1), [w.is_alive() for w in workers])
+print(round(time.monotonic() - start, 1), [w.is_alive() for w in workers], flush=True)  # shown even if the exit hangs
 """
 
 
