@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 import budget
+from fork_server import import_and_freeze
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -274,6 +274,15 @@ class ForkServer:
         return [cls.collect(*run, deadline) for run in runs]
 
     @classmethod
+    def run_launch_line(cls, words: list[str], env: dict, timeout: float,
+                        cwd: Path = REPO) -> subprocess.CompletedProcess:
+        """`accelerate launch OPTIONS -m finetune ARGS`, as words, forked on a free port."""
+        module = words.index("-m")
+        assert words[:2] == ["accelerate", "launch"] and words[module + 1] == "finetune", words
+        options = [*words[2:module], "--main_process_port", str(free_port())]
+        return cls.run_together([(words[module + 2:], options)], env, timeout, cwd)[0]
+
+    @classmethod
     def submit(cls, args: list[str], options: list[str] | None, env: dict,
                cwd: Path = REPO) -> tuple[list[str], Path, socket.socket]:
         """Starts a run; its dir gets the ranks' pids (pid-RANK) as they start."""
@@ -327,20 +336,11 @@ class ForkServer:
 
 @pytest.fixture(scope="session", autouse=True)
 def _imports_out_of_the_collector():
-    """The libraries most tests import, imported once and frozen: kept out of
-    the collector's full passes, which otherwise walk their half a million
-    objects each time an in-process test's allocations trigger one (a test
-    that parses the standard library took twice as long)."""
-    import accelerate  # noqa: F401
-    import datasets  # noqa: F401
-
-    from finetune.cli import keep_torchao_out_of_transformers
-
-    keep_torchao_out_of_transformers()  # as each command does before transformers' model code loads
-    import transformers.modeling_utils  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
+    """The libraries most tests import, frozen out of the collector's full
+    passes, which otherwise walk them each time an in-process test's
+    allocations trigger one (a test that parses the standard library took
+    twice as long)."""
+    import_and_freeze(("accelerate", "datasets", "transformers.modeling_utils"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -597,10 +597,8 @@ def run_docs_commands(work: Path, env: dict) -> None:
             if how == "dry_run" and "$" not in command and not ForkServer.imports_differ({**shell_env, **extra}):
                 # Its options through accelerate's own launch, with ranks forked: the commands that
                 # really launch (above all the first) show that the shell finds `accelerate`.
-                module = words.index("-m")
-                options = [*words[2:module], "--main_process_port", str(free_port())]
-                args = [*words[module + 2:], *([] if "--dry_run" in words else ["--dry_run"])]
-                proc = ForkServer.run_together([(args, options)], {**shell_env, **extra}, 300, cwd=work)[0]
+                dry_run = [*words, *([] if "--dry_run" in words else ["--dry_run"])]
+                proc = ForkServer.run_launch_line(dry_run, {**shell_env, **extra}, 300, cwd=work)
             else:
                 launched = command.replace("accelerate launch ", f"accelerate launch --main_process_port {free_port()} ", 1)
                 launched += " --dry_run" if how == "dry_run" and "--dry_run" not in words else ""

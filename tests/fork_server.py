@@ -268,27 +268,34 @@ def supervise(conn: socket.socket) -> None:
 
 # --- the server -----------------------------------------------------------------------------------
 
+def import_and_freeze(names: tuple[str, ...]) -> None:
+    """Imports `names` as a finetune command would (torchao kept out of
+    transformers first), then freezes every object so far out of the garbage
+    collector: they live as long as the process, and its full passes would
+    walk them all (half a million) each time. The server's and the pytest
+    workers' start."""
+    import gc
+    import importlib
+
+    from finetune.cli import keep_torchao_out_of_transformers
+
+    keep_torchao_out_of_transformers()
+    for name in names:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
+
+
 def serve(socket_path: Path, owner: int) -> None:
     global INITIAL_TORCH_STATE
     os.environ.setdefault("TQDM_DISABLE", "1")  # a rank's stderr is a file: tqdm reads this when it loads
     import torch
 
     INITIAL_TORCH_STATE = torch.default_generator.get_state()
-    import gc
-    import importlib
-
     import matplotlib
 
-    from finetune.cli import keep_torchao_out_of_transformers
-
-    keep_torchao_out_of_transformers()  # as every command does before transformers' model code loads
     matplotlib.use("Agg")  # as finetune.report does
-    for name in PRELOAD:
-        importlib.import_module(name)
-    # The imports' objects live as long as the process: kept out of the
-    # collector's passes, a rank's gc.collect() neither walks them nor copies
-    # the pages they are on.
-    gc.freeze()
+    import_and_freeze(PRELOAD)  # a rank's gc.collect() then neither walks them nor copies the pages they are on
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     scratch = socket_path.with_name(socket_path.name + ".tmp")
     scratch.unlink(missing_ok=True)

@@ -131,17 +131,15 @@ def test_config_runs_as_its_header_documents(config, tmp_path, env, small_corpus
     words = documented_launch(config)
     assert words[-1] == "[OPTIONS]"
     run_dir = tmp_path / "run"
-    options = [*common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)]
-    launch_options = ["--main_process_port", str(free_port()), *words[2:words.index("-m")]]
+    command = [*words[:-1], *common_args(small_corpus), "--max_steps", "2", "--output_dir", str(run_dir)]
     gpu_only = config in GPU_ONLY and not torch.cuda.is_available()
     if gpu_only or ForkServer.imports_differ(env):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_options, *words[words.index("-m"):-1],
-               *options]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+               *command[2:]]
         cpu_start = children_cpu_seconds()
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     else:
-        assert words[words.index("-m"):-1] == ["-m", "finetune", "train"]
-        proc = ForkServer.run_together([(["train", *options], launch_options)], env, 300)[0]
+        proc = ForkServer.run_launch_line(command, env, 300)
     settings = yaml.safe_load((CONFIGS / config).read_text())
     if gpu_only:
         assert proc.returncode != 0
