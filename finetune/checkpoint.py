@@ -50,7 +50,7 @@ from finetune.verify import check_pickled_file
 from finetune import json_text
 
 class ModelFilesPolicy(Protocol):
-    """What the fine-tuning method adds to a checkpoint's model_config/ and checks on resume."""
+    """What the PEFT method adds to a checkpoint's model_config/ and checks on resume."""
 
     def write_checkpoint_files(self, model_files: Path, model: torch.nn.Module, tied: dict[str, str]) -> None: ...
 
@@ -150,7 +150,7 @@ def check_resumable(cfg: TrainConfig, checkpoint: Path, num_processes: int | Non
                           cfg, checkpoint)
     if num_processes is not None:
         for_checkpoint(checkpoint).check_resume_world_size(checkpoint, progress.world_size, num_processes)
-    task.method.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
+    task.peft.check_base_before_launch(task, checkpoint / MODEL_CONFIG_DIR, checkpoint)
 
 
 class StoredState:
@@ -210,12 +210,12 @@ class CheckpointManager:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, run_dir: str | Path, *, every: int,
                  every_epochs: int, keep_last: int, at_end: bool = True, config_yaml: str,
-                 tokenizer: PreTrainedTokenizerBase | None, method: ModelFilesPolicy, data: list[DataState],
+                 tokenizer: PreTrainedTokenizerBase | None, peft: ModelFilesPolicy, data: list[DataState],
                  backend: Backend | None = None, allow_unverified: bool = False):
         self.accelerator = accelerator
         self.allow_unverified = allow_unverified  # --allow_unverified_checkpoint: a resume may read one without a manifest
         self.backend = backend or Backend()  # the layout this run writes and reads
-        self.method = method  # the fine-tuning method: what it adds to model_config/, and checks on resume
+        self.peft = peft  # the PEFT method: what it adds to model_config/, and checks on resume
         self.data = data      # the training batches' position and what they consumed: saved with every checkpoint
         self.unwrapped = unwrapped = accelerator.unwrap_model(model)
         self.stored = StoredState(unwrapped, leave_out=self.backend.checkpoints_leave_out_stored_state)
@@ -312,7 +312,7 @@ class CheckpointManager:
         (tmp / "run_config.yaml").write_text(self.config_yaml)
         write_model_files(tmp / MODEL_CONFIG_DIR, self.hf_config, self.tokenizer)
         tied = {canonical_name(name): canonical_name(first) for name, first in self.stored.duplicates.items()}
-        self.method.write_checkpoint_files(tmp / MODEL_CONFIG_DIR, self.unwrapped, tied)
+        self.peft.write_checkpoint_files(tmp / MODEL_CONFIG_DIR, self.unwrapped, tied)
         write_manifest(tmp)  # last: a checkpoint with a manifest is complete
         if target.exists():  # not this run's (start_timeline moved its predecessors aside)
             self._set_aside([target])
@@ -337,7 +337,7 @@ class CheckpointManager:
                       "(--allow_unverified_checkpoint)")
         check_compatible(checkpoint_dir, acc.unwrap_model(model), self.backend)
         self.backend.check_resume_world_size(checkpoint_dir, progress.world_size, acc.num_processes)
-        self.method.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)
+        self.peft.check_checkpoint(checkpoint_dir / MODEL_CONFIG_DIR, checkpoint_dir)
         saved = json.loads((checkpoint_dir / PROGRESS_FILE).read_text())
         for part in self.data:  # where the data was, and what it had consumed (checked before the weights load)
             part.load_state_dict(saved)

@@ -20,46 +20,36 @@ import os
 import sys
 from pathlib import Path
 
-from finetune.config import (ALIASES, ATTN_IMPLEMENTATIONS, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS,
-                             LORA_LEARNING_RATE, PEFT_METHODS, TEXT_SAMPLE_BY_OF_OLDER_RUNS,
+from finetune.options import names as section_options, title as section_title
+from finetune.config import (ALIASES, DATA_OPTIONS, ELSEWHERE, FINE_TUNING_DEFAULTS, SECTIONS,
+                             TEXT_SAMPLE_BY_OF_OLDER_RUNS,
                              SEVERAL_VALUES, TrainConfig, byte_count, coerce, config_fields, field_types,
                              launch_instead, load_config)
 from finetune.errors import NotDistributed, RankLost, Stopped, UsageError, missing_or_odd
 from finetune.launch_request import no_deepspeed_engine
-from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY
+from finetune.models.attention import IMPLEMENTATIONS as ATTN_IMPLEMENTATIONS
+from finetune.objectives import OBJECTIVES, READERS as OBJECTIVE_READERS, REGISTRY as OBJECTIVE_REGISTRY
+from finetune.objectives.base import ReferenceOptions
 from finetune.objectives.rewards import absolute_reward, is_user_code
+from finetune.peft import PEFT_METHODS, READERS as PEFT_READERS, REGISTRY as PEFT_REGISTRY
 from finetune.tasks import REGISTRY
 from finetune import json_text
 
 
-# `train --help` in groups; the sharding itself is set by the accelerate config, not by options.
-OPTION_GROUPS = {
-    "model": ("task", "model", "model_dtype", "trust_remote_code"),
-    "data": ("dataset", "dataset_weights", "mixture_stop", "streaming", "dataloader_num_workers", "dataset_config",
-             "dataset_split", "eval_split", "preprocessing_num_workers", "text_column",
-             "text_sample_by",
-             "image_column", "label_column", "data_format", "chat_template", "train_on_prompt", "train_on_reasoning", "packing",
-             "long_examples", "max_train_samples", "max_eval_samples", "validation_split", "block_size"),
-    "training": ("max_steps", "num_epochs", "per_device_batch_size", "per_device_eval_batch_size",
-                 "gradient_accumulation_steps", "optimizer", "learning_rate", "weight_decay", "adam_beta1",
-                 "adam_beta2", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "min_lr_ratio", "lr_gamma",
-                 "max_grad_norm", "seed", "loss_chunk_size", "attn_implementation", "use_liger_kernel"),
-    "LoRA": ("peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
-    "mixture of experts": ("output_router_logits", "router_aux_loss_coef"),
-    "preference tuning": ("method", "dpo_beta", "dpo_loss", "simpo_gamma", "max_prompt_length", "reference_model",
-                          "precompute_reference"),
-    "online RL (--method grpo)": ("reward_funcs", "reward_weights", "reward_pattern", "reward_timeout", "num_generations",
-                                  "max_completion_length", "temperature", "top_p", "loss_type", "epsilon",
-                                  "epsilon_high", "num_iterations", "scale_rewards", "mask_truncated_completions",
-                                  "beta", "log_completions_every"),
-    "checkpoints and outputs": ("output_dir", "overwrite", "checkpoint_every", "checkpoint_every_epochs", "keep_last",
-                                "checkpoint_at_end",
-                                "resume_from_checkpoint", "allow_unverified_checkpoint", "max_shard_size"),
-    "evaluation and logging": ("eval_every", "eval_every_epochs", "max_eval_batches", "log_every", "log_format",
-                               "report_to", "sample_prompt", "profile_steps"),
-    "FSDP and launch (sharding, processes and precision come from `accelerate launch --config_file`; "
-    "`finetune configs` lists them)": ("ddp_timeout",),
-}
+def _option_groups() -> dict[str, tuple[str, ...]]:
+    """`train --help` in groups, one per section of the config, each titled with
+    the objectives or PEFT methods that read it. The sharding itself is set by
+    the accelerate config, not by options."""
+    groups = {}
+    for section in SECTIONS:
+        names = section_options(section)
+        users = [f"--{flag} {', '.join(readers[names[0]])}" for flag, readers in
+                 (("method", OBJECTIVE_READERS), ("peft", PEFT_READERS)) if names[0] in readers]
+        groups[section_title(section) + (f" ({users[0]})" if users else "")] = names
+    return groups
+
+
+OPTION_GROUPS = _option_groups()
 
 
 def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = True) -> None:
@@ -76,11 +66,13 @@ def _add_config_options(parser: argparse.ArgumentParser, config_file: bool = Tru
         fine_tuning = (f"; fine-tuning a pretrained model: {FINE_TUNING_DEFAULTS[f.name]!r}"
                        if f.name in FINE_TUNING_DEFAULTS else "")
         if f.name == "learning_rate":
-            fine_tuning += f", with --peft lora: {LORA_LEARNING_RATE!r}" + "".join(
-                f"; --method {name}: {entry.learning_rates['full']!r}, with LoRA {entry.learning_rates['lora']!r}"
-                for name, entry in OBJECTIVE_REGISTRY.items() if entry.learning_rates)
+            fine_tuning += "".join(f", with --peft {name}: {entry.learning_rate!r}"
+                                   for name, entry in PEFT_REGISTRY.items() if entry.trains_adapters) + "".join(
+                f"; --method {name}: {o.learning_rates['full']!r}, with LoRA {o.learning_rates['lora']!r}"
+                for name, o in OBJECTIVE_REGISTRY.items() if o.learning_rates)
         by_task = "".join(f"; {task}: {entry.defaults[f.name]!r}" for task, entry in REGISTRY.items()
-                          if f.name in entry.defaults)
+                          if f.name in entry.defaults) + "".join(
+            f"; --method {name}: {o.defaults[f.name]!r}" for name, o in OBJECTIVE_REGISTRY.items() if f.name in o.defaults)
         help_text = f"{f.metadata['help']} (default: {default!r}{fine_tuning}{by_task})".replace("%", "%%")
         kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text, choices=f.metadata.get("choices"))
         names = [f"--{f.name}", *(f"--{alias}" for alias, name in ALIASES.items() if name == f.name)]
@@ -332,14 +324,16 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--peft", choices=PEFT_METHODS, default="none",
                         help="lora: a frozen base (weights only) and trainable adapters; qlora: the same with the "
                              "adapted base weights in 4 bits (default: 'none')")
-    memory.add_argument("--method", choices=OBJECTIVES, default="sft",
-                        help="as for train: dpo and simpo run each pair's two sequences through one forward (twice "
-                             "the activations, full logits); dpo without LoRA (and grpo with --beta above 0) adds a "
-                             "frozen reference, laid out as the parameters are; grpo samples --per_device_batch_size "
-                             "completions with a KV cache, then trains on them through the full logits "
-                             "(default: 'sft')")
-    memory.add_argument("--beta", type=float, default=0.0,
-                        help="grpo: the KL coefficient; above 0 a frozen reference is held (default: 0)")
+    memory.add_argument("--method", dest="objective", choices=OBJECTIVES, default="sft",
+                        help=f"as for train: {', '.join(by_plan(lambda o: o.sequences_per_row > 1))} run each row's "
+                             "sequences (a pair's two) through one forward (that many times the activations, full "
+                             f"logits); {', '.join(by_plan(lambda o: ReferenceOptions in o.sections()))} add a frozen "
+                             "reference without LoRA (grpo and rloo with --beta above 0), laid out as the parameters "
+                             f"are; {', '.join(by_plan(lambda o: o.samples))} sample --per_device_batch_size "
+                             "completions with a KV cache, then train on them through the full logits (default: 'sft')")
+    memory.add_argument("--beta", type=float, default=None,
+                        help="grpo, rloo: the KL coefficient; above 0 a frozen reference is held (default: the "
+                             "objective's, 0 for grpo)")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
                         help=f"as for train (default: {TrainConfig().lora_r})")
     memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
@@ -593,6 +587,11 @@ def cmd_configs(args: argparse.Namespace) -> int:
     return 0
 
 
+def by_plan(rule) -> list[str]:
+    """The objectives whose class the planner's `rule` holds for."""
+    return [name for name, objective in OBJECTIVE_REGISTRY.items() if rule(type(objective))]
+
+
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
     from finetune.memory import (data_ram_line, estimate, host_ram, kv_cache_bytes, model_shape, planned_meshes,
@@ -604,20 +603,22 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     if args.peft == "none" and (args.lora_r != TrainConfig().lora_r
                                 or args.lora_target_modules != TrainConfig().lora_target_modules):
         raise UsageError("--lora_r and --lora_target_modules apply to --peft lora or qlora; add it or drop them")
-    from finetune.peft import method_for
+    from finetune.peft import peft_for
 
-    method = method_for(TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
-    shape = model_shape(args.model, method, num_processes)
-    ram_efficient_loading = launch.ram_efficient_loading and not method.each_rank_loads_the_base
+    peft = peft_for(TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
+    shape = model_shape(args.model, peft, num_processes)
+    ram_efficient_loading = launch.ram_efficient_loading and not peft.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
-    rows = OBJECTIVE_REGISTRY[args.method].data_format  # pairs, prompts to sample from, or the task's own
-    reference_copy = (args.method == "dpo" or (args.method == "grpo" and args.beta > 0)) and not method.saves_adapters
+    objective = OBJECTIVE_REGISTRY[args.objective]
+    beta = args.beta if args.beta is not None else objective.defaults.get("beta", TrainConfig.beta)
+    reference_copy = objective.holds_reference(TrainConfig(objective=args.objective, beta=beta)) and \
+        not peft.saves_adapters
     num_machines = args.num_machines or launch.num_machines
     meshes = planned_meshes(shape, num_processes, num_machines, args.dp_replicate_size or launch.dp_replicate,
                             args.tp_size or launch.tp)
     estimates = estimate(shape, num_processes, args.per_device_batch_size, args.block_size, mixed_precision,
-                         args.loss_chunk_size, weight_bytes, ram_efficient_loading, pairs=rows == "preference",
-                         generation=rows == "prompt",
+                         args.loss_chunk_size, weight_bytes, ram_efficient_loading,
+                         sequences_per_row=objective.sequences_per_row, samples=objective.samples,
                          reference_copy=reference_copy, meshes=meshes, packed_rows=args.packed,
                          attn_implementation=args.attn_implementation)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
@@ -626,15 +627,15 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                     ram_efficient_loading, weight_bytes, args.max_shard_size)
     print(render(shape, estimates, num_processes, args.device_memory, host))
     print("\n" + data_ram_line(args.streaming, args.dataloader_num_workers, args.block_size))
-    if rows == "prompt":
+    if objective.samples:
         compute = 2 if mixed_precision == "bf16" else 4
         kv = kv_cache_bytes(shape, args.per_device_batch_size, args.block_size, compute)
-        print(f"\nGRPO: sampling {args.per_device_batch_size} completions a rank (prompt and completion within "
+        print(f"\n{args.objective.upper()}: sampling {args.per_device_batch_size} completions a rank (prompt and completion within "
               f"{args.block_size} tokens) holds a KV cache of up to {kv / 2**30:.2f} GiB a rank ({kv:,} bytes; less "
               "under grouped-query attention), in place of the training activations; the activations columns hold "
               "the larger of the two.")
     if num_machines > 1 or meshes:
-        sequences = args.per_device_batch_size * (2 if rows == "preference" else 1)  # a pair's two sequences
+        sequences = args.per_device_batch_size * objective.sequences_per_row
         print("\n" + render_traffic(shape, estimates, num_processes, num_machines, mixed_precision, args.device_memory,
                                     tokens=sequences * args.block_size))
     if reference_copy:

@@ -13,16 +13,23 @@ import difflib
 import math
 import shlex
 import time
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
 from finetune.data.fingerprint import INPUT_OPTIONS, absolute
+from finetune.data.formats import DATA_FORMATS, FORMATS
 from finetune.errors import UsageError, not_a_file
+from finetune.models.attention import IMPLEMENTATIONS as ATTN_IMPLEMENTATIONS
+from finetune.objectives import (DEFAULT as DEFAULT_OBJECTIVE, OBJECTIVES, READERS as OBJECTIVE_READERS,
+                                 REGISTRY as OBJECTIVE_REGISTRY, SECTIONS as OBJECTIVE_SECTIONS, recorded_objective)
 from finetune.objectives.rewards import absolute_reward, is_user_code
-from finetune.objectives import OBJECTIVES, REGISTRY as OBJECTIVE_REGISTRY, objective_of_option
+from finetune.options import option
+from finetune.peft import (PEFT_METHODS, READERS as PEFT_READERS, REGISTRY as PEFT_REGISTRY,
+                           SECTIONS as PEFT_SECTIONS)
 from finetune.tasks import REGISTRY
 
 TASKS = tuple(REGISTRY)
@@ -31,49 +38,20 @@ OPTIMIZERS = ("adamw", "adam")
 # transformers.get_scheduler's names, and the lectures' per-epoch StepLR.
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup", "polynomial", "step")
 REPORTERS = ("jsonl", "tensorboard", "wandb", "mlflow", "none")
-DATA_FORMATS = ("auto", "text", "chat", "instruction", "prompt_completion", "preference", "prompt")
 LONG_EXAMPLES = ("truncate", "drop")
 LOG_FORMATS = ("auto", "bar", "plain")
-PEFT_METHODS = ("none", "lora", "qlora")
 MODEL_DTYPES = ("float32", "bfloat16")
-LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-LORA_LEARNING_RATE = 2e-4  # peft's and TRL's usual LoRA rate; full fine-tuning's 5e-5 barely moves small adapters
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # TRL's names
-# transformers' names; auto picks the fastest the device and model have (finetune/models/attention.py)
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
-ATTN_WITHOUT_MASK = ("flex_attention", "flash_attention_2")  # packed examples kept apart by position ids alone
-# Options that only some objectives read, refused on the command line for the others (as LoRA's are).
-METHOD_OPTIONS = {name: objective_of_option(name) for entry in OBJECTIVE_REGISTRY.values() for name in entry.options}
-FORMATS_OF_AN_OBJECTIVE = ("preference", "prompt")  # read by one objective only
-FORMAT_WORDS = {"preference": "preference pairs (chosen/rejected)", "prompt": "prompts alone (a prompt column)"}
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")  # datasets' text builder's names
 MIXTURE_STOPS = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets' names
 MIN_SHARE_TO_EXHAUST = 1e-6  # under all_exhausted, a rarer source would take ~10^6 draws per example of its own
-SEVERAL_VALUES = {"dataset": str, "dataset_weights": float, "reward_funcs": str, "reward_weights": float}  # options that take a list, and its element type
 TEXT_SAMPLE_BY_OF_OLDER_RUNS = "line"  # what runs recorded before text_sample_by existed did
 
-
-# Options a resume may change, and what the change does. Every other option is
-# fixed by the checkpoint: the data, its order, the model and the optimizer's
-# construction depend on them.
-RESUME_MAY_CHANGE = {
-    "max_steps": "the run now ends there; the learning-rate schedule is stretched or shrunk to the new length "
-                 "from the next step on",
-    "num_epochs": "the run now ends there; the learning-rate schedule is stretched or shrunk to the new length "
-                  "from the next step on",
-    "learning_rate": "the rest of the schedule is rescaled to the new peak",
-    "max_grad_norm": "clipping uses it from the next step",
-    "model": "the weights come from the checkpoint, which must fit its shapes (checked)",
-    # With another number of processes, this keeps the global batch (and so the losses) the same.
-    "per_device_batch_size": "the position in the epoch carries over to within one global batch",
-    **dict.fromkeys(("log_every", "log_format", "report_to", "eval_every", "eval_every_epochs", "max_eval_batches",
-                     "max_eval_samples", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "checkpoint_at_end", "profile_steps", "sample_prompt",
-                     "ddp_timeout", "per_device_eval_batch_size", "loss_chunk_size", "attn_implementation",
-                     "use_liger_kernel"),
-                    "applies from the next step"),
-    "max_shard_size": "applies to the final model dir",
-    "dataloader_num_workers": "applies from the next step (the batches do not depend on it)",
-}
+# What changing an option on a resume does (its `on_resume`); an option without
+# one is fixed by the checkpoint: the data, its order, the model and the
+# optimizer's construction depend on it.
+NEXT_STEP = "applies from the next step"
+NEW_END = ("the run now ends there; the learning-rate schedule is stretched or shrunk to the new length from the next "
+           "step on")
 # Permissions no file can grant: what each allows, and when to give it.
 COMMAND_LINE_ONLY = {
     "trust_remote_code": ("lets the model's or data's own code run", " if you trust {model}"),
@@ -85,9 +63,7 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 # so that `finetune evaluate` rebuilds the data the run evaluated on.
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
                 "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt",
-                "train_on_reasoning",
-                "packing", "long_examples", "block_size",
-                "max_prompt_length",
+                "train_on_reasoning", "packing", "long_examples", "block_size", "max_prompt_length",
                 "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
 
 
@@ -97,7 +73,7 @@ def data_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     batch, up to max_eval_batches of them."""
     batch = config.get("per_device_eval_batch_size") or config.get("per_device_batch_size", 0)
     return {**{name: config[name] for name in DATA_OPTIONS if name in config},
-            "method": config.get("method", "sft"),  # what the held-out data was: text, pairs or prompts
+            "objective": recorded_objective(config),  # what the held-out data was: text, pairs or prompts
             "text_sample_by": config.get("text_sample_by", TEXT_SAMPLE_BY_OF_OLDER_RUNS),
             "max_eval_rows": config.get("max_eval_batches", 0) * world_size * batch}
 
@@ -119,195 +95,176 @@ def byte_count(text: str) -> int:
     return value
 
 
-def _opt(default, help: str, **kw):
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+@dataclass
+class ModelOptions:
+    """model"""
+    task: str = option("causal-lm", "what to train", choices=TASKS)
+    model: str = option("tiny-gpt2", "HF model id, local HF model dir, or a preset (tiny-gpt2, small-gpt2, gpt2-small; "
+                         "lecture-cnn for images)",
+                        on_resume="the weights come from the checkpoint, which must fit its shapes (checked)")
+    model_dtype: str = option("float32", "the dtype the model's weights are held in: float32, or bfloat16 (half the "
+                               "memory; with --peft lora the frozen base is bfloat16 while the adapters and their AdamW "
+                               "state stay float32; mixed precision still trains float32 master weights)",
+                               choices=MODEL_DTYPES)
+    peft: str = option("none", "; ".join(f"{name}: {entry.summary}" for name, entry in PEFT_REGISTRY.items()),
+                       choices=PEFT_METHODS)
+    objective: str = option(DEFAULT_OBJECTIVE, "what the loss learns (--method is the same option): " + "; ".join(
+        f"{name}: {objective.summary}" for name, objective in OBJECTIVE_REGISTRY.items()), choices=OBJECTIVES)
+    trust_remote_code: bool = option(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
 
 
 @dataclass
-class TrainConfig:
-    # what to train
-    task: str = _opt("causal-lm", "what to train", choices=TASKS)
-    model: str = _opt("tiny-gpt2", "HF model id, local HF model dir, or a preset (tiny-gpt2, small-gpt2, gpt2-small; "
-                      "lecture-cnn for images)")
-    dataset: str | list[str] = _opt("builtin", "HF dataset id, local .txt/.jsonl/.json/.parquet file (also .gz or "
-                                    ".zst), dir or glob of them, an image folder, or 'builtin' (stdlib docstrings for "
-                                    "text, handwritten digits for images); several (causal-lm): a mixture of them",
-                                    nargs="+")
-    dataset_weights: list[float] = _opt([], "a mixture's sampling weight per --dataset (empty: equal); they need "
-                                        "not sum to 1", nargs="+")
-    mixture_stop: str = _opt("first_exhausted", "a mixture's pass ends when its first source runs out, or when every "
-                             "source has run out once (the others start over until then)", choices=MIXTURE_STOPS)
-    streaming: bool = _opt(False, "read the data as a stream (causal-lm): nothing is read or tokenized ahead, each "
-                           "rank reads its part of the files; needs --max_steps")
-    dataloader_num_workers: int = _opt(0, "processes that prepare the training batches beside each rank (with "
-                                       "--streaming: that tokenize the stream; 0 = the training process)")
-    dataset_config: str = _opt("", "the dataset's configuration (subset) name, for datasets that have several")
-    dataset_split: str = _opt("", "the split to train on; empty: train, or the only split")
-    eval_split: str = _opt("", "the split to evaluate on; empty: validation or test when present, else "
-                           "validation_split of the training split")
-    preprocessing_num_workers: int = _opt(0, "processes that tokenize the data (datasets' num_proc; 0 = this one)")
-    text_column: str = _opt("text", "column holding the text in .jsonl/.parquet/Hub datasets")
-    text_sample_by: str = _opt("paragraph", ".txt files: what one document is (an end-of-text token follows each): "
-                               "a paragraph (text between blank lines, its line breaks kept), a whole file, or each "
-                               "line (line breaks dropped)", choices=TEXT_SAMPLE_BY)
-    image_column: str = _opt("image", "column holding the images (image-classification)")
-    label_column: str = _opt("label", "column holding the class ids (image-classification)")
-    data_format: str = _opt("auto", "text (blocks of concatenated text), chat (a messages column), instruction "
-                            "(instruction/input/output), prompt_completion (prompt/completion), preference "
-                            "(prompt/chosen/rejected: --method dpo or simpo), prompt (prompts alone: --method grpo), "
-                            "or auto: detected from the columns", choices=DATA_FORMATS)
-    chat_template: str = _opt("", "a Jinja chat template file that renders chat and instruction data, replacing the "
-                              "tokenizer's own; saved with the model")
-    train_on_prompt: bool = _opt(False, "SFT: take the loss on every token, not only on the answers and their "
-                                 "end-of-turn tokens")
-    train_on_reasoning: bool = _opt(True, "chat SFT: train on the assistant's reasoning (Qwen3's <think> block, "
-                                    "gpt-oss's analysis channel) with its answer; false: the answer alone")
-    packing: bool = _opt(True, "SFT: pack examples into blocks of block_size (attention never crosses examples); "
-                         "false (--no_packing) pads each batch to its longest example")
-    long_examples: str = _opt("truncate", "SFT examples longer than block_size: truncate or drop (counted either "
-                              "way)", choices=LONG_EXAMPLES)
-    max_train_samples: int = _opt(0, "use only the first N training samples (0 = all)")
-    max_eval_samples: int = _opt(0, "use only the first N held-out samples (0 = all)")
-    validation_split: float = _opt(0.05, "fraction held out for evaluation when the data has no validation/test split")
-    block_size: int = _opt(128, "tokens per training sequence (causal-lm)")
-    model_dtype: str = _opt("float32", "the dtype the model's weights are held in: float32, or bfloat16 (half the "
-                            "memory; with --peft lora the frozen base is bfloat16 while the adapters and their AdamW "
-                            "state stay float32; mixed precision still trains float32 master weights)",
-                            choices=MODEL_DTYPES)
-    peft: str = _opt("none", "none (train every parameter), lora (train LoRA adapters on a frozen base, through "
-                     "peft) or qlora (LoRA on a 4-bit base; GPUs only)", choices=PEFT_METHODS)
-    method: str = _opt("sft", "what the loss learns (causal-lm): sft (the text's next tokens, or the answers of "
-                       "chat/instruction data), dpo (preference pairs against a frozen reference: the starting model, "
-                       "or the base with the adapters off under LoRA), simpo (preference pairs, no reference: "
-                       "length-normalised log-probs and a target margin) or grpo (online RL: the model's own samples "
-                       "of each prompt, scored by --reward_funcs)", choices=OBJECTIVES)
-    dpo_beta: float = _opt(0.1, "dpo: how far the policy may move from the reference; simpo: the reward scale (the "
-                           "SimPO paper uses 2 to 2.5)")
-    dpo_loss: str = _opt("sigmoid", "dpo: sigmoid (the DPO paper), ipo (squared, on per-token log-probs) or hinge "
-                         "(TRL's names and formulas)", choices=DPO_LOSSES)
-    simpo_gamma: float = _opt(0.5, "simpo: the reward margin the chosen completion should win by")
-    max_prompt_length: int = _opt(0, "dpo/simpo: drop (counted) the pairs whose prompt has more tokens than this "
-                                  "(0 = any prompt that leaves room in --block_size)")
-    reference_model: str = _opt("", "dpo: the frozen reference, a HF model dir or Hub id (empty: the starting model, "
-                                "--model)")
-    precompute_reference: bool = _opt(False, "dpo: the reference's log-probs of every pair computed in one pass before "
-                                      "training and cached with the data (reused by a resume and by later runs on "
-                                      "the same pairs and reference); no reference is held while training")
-    # grpo (TRL's GRPOConfig names and defaults, but for the completion length: see docs/grpo.md)
-    reward_funcs: list[str] = _opt([], "grpo: the reward functions, each FILE.py:NAME or module:NAME (your code, "
-                                   "imported because this command line names it), or a built-in: exact_match (the "
-                                   "completion is the row's answer column), format (it matches --reward_pattern), "
-                                   "length_penalty", nargs="+")
-    reward_weights: list[float] = _opt([], "grpo: each reward function's weight in the summed reward (empty: 1 each)",
+class DataOptions:
+    """data"""
+    dataset: str | list[str] = option("builtin", "HF dataset id, local .txt/.jsonl/.json/.parquet file (also .gz or "
+                                       ".zst), dir or glob of them, an image folder, or 'builtin' (stdlib docstrings for "
+                                       "text, handwritten digits for images); several (causal-lm): a mixture of them",
                                        nargs="+")
-    reward_pattern: str = _opt(r"^\S+$", "grpo: the regular expression the built-in format reward matches the whole "
-                               "completion (stripped) against")
-    reward_timeout: float = _opt(600.0, "grpo: seconds one reward function may take on one micro-batch before the "
-                                 "run stops in one line, keeping its last checkpoint (0: no limit)")
-    num_generations: int = _opt(8, "grpo: completions sampled per prompt (a group); --per_device_batch_size counts "
-                                "completions and must be a multiple of it")
-    max_completion_length: int = _opt(64, "grpo: most tokens sampled per completion (TRL's default is 512, too long "
-                                      "for a CPU); the prompt keeps what --block_size leaves")
-    temperature: float = _opt(1.0, "grpo: sampling temperature")
-    top_p: float = _opt(1.0, "grpo: nucleus sampling's probability mass (1 = off)")
-    loss_type: str = _opt("dapo", "grpo: how the per-token losses are averaged: dapo (over every completion token of "
-                          "the global batch; TRL's default), grpo (per completion, then over completions), dr_grpo "
-                          "(over completions x --max_completion_length), bnpo (over each micro-batch's tokens)",
-                          choices=("grpo", "dapo", "dr_grpo", "bnpo"))
-    epsilon: float = _opt(0.2, "grpo: the clipping range of the probability ratio (its lower side)")
-    epsilon_high: float = _opt(0.0, "grpo: the upper clipping range (0 = --epsilon; DAPO uses 0.28)")
-    num_iterations: int = _opt(1, "grpo: optimizer steps on each batch of samples (above 1 the ratio to the "
-                                  "sampling policy moves and clipping acts)")
-    scale_rewards: str = _opt("group", "grpo: divide the advantages by the std of the group's rewards, of the batch's, "
-                              "or none (Dr. GRPO)", choices=("group", "batch", "none"))
-    mask_truncated_completions: bool = _opt(False, "grpo: completions cut at --max_completion_length take no part in "
-                                            "the loss")
-    beta: float = _opt(0.0, "grpo: the KL coefficient against the reference (0 = none, TRL's default; the reference "
-                       "is DPO's: the starting model, or the base with the adapters off under LoRA)")
-    log_completions_every: int = _opt(10, "grpo: write a sample of prompts, completions and rewards to "
-                                      "RUN_DIR/completions.jsonl every N steps (0 = never)")
-    lora_r: int = _opt(8, "LoRA rank")
-    lora_alpha: float = _opt(16.0, "LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_r")
-    lora_dropout: float = _opt(0.05, "dropout on the adapters' input while training")
-    lora_target_modules: str = _opt("all-linear", "the modules that get adapters: all-linear (every linear layer but "
-                                    "the output layer) or comma-separated module names (q_proj,v_proj; c_attn)")
-    output_router_logits: bool = _opt(False, "mixture of experts: add the family's own load-balancing loss of the "
-                                      "routers to the loss, times --router_aux_loss_coef (logged as aux_loss)")
-    router_aux_loss_coef: float = _opt(-1.0, "mixture of experts: the load-balancing loss's coefficient (negative: "
-                                       "the model config's own, 0.001 for Qwen3-MoE, Mixtral and gpt-oss)")
-    trust_remote_code: bool = _opt(False, "allow model/dataset code from the Hub to run (only for sources you trust)")
-    allow_unverified_checkpoint: bool = _opt(False, "resume from a checkpoint without manifest.json (written elsewhere "
-                                             "or by an older finetune): its files cannot be checked for damage")
+    dataset_weights: list[float] = option([], "a mixture's sampling weight per --dataset (empty: equal); they need "
+                                           "not sum to 1", nargs="+")
+    mixture_stop: str = option("first_exhausted", "a mixture's pass ends when its first source runs out, or when every "
+                                "source has run out once (the others start over until then)", choices=MIXTURE_STOPS)
+    streaming: bool = option(False, "read the data as a stream (causal-lm): nothing is read or tokenized ahead, each "
+                              "rank reads its part of the files; needs --max_steps")
+    dataloader_num_workers: int = option(0, "processes that prepare the training batches beside each rank (with "
+                                          "--streaming: that tokenize the stream; 0 = the training process)",
+                                         on_resume=NEXT_STEP + " (the batches do not depend on it)")
+    dataset_config: str = option("", "the dataset's configuration (subset) name, for datasets that have several")
+    dataset_split: str = option("", "the split to train on; empty: train, or the only split")
+    eval_split: str = option("", "the split to evaluate on; empty: validation or test when present, else "
+                              "validation_split of the training split")
+    preprocessing_num_workers: int = option(0, "processes that tokenize the data (datasets' num_proc; 0 = this one)")
+    text_column: str = option("text", "column holding the text in .jsonl/.parquet/Hub datasets")
+    text_sample_by: str = option("paragraph", ".txt files: what one document is (an end-of-text token follows each): "
+                                  "a paragraph (text between blank lines, its line breaks kept), a whole file, or each "
+                                  "line (line breaks dropped)", choices=TEXT_SAMPLE_BY)
+    image_column: str = option("image", "column holding the images (image-classification)")
+    label_column: str = option("label", "column holding the class ids (image-classification)")
+    data_format: str = option("auto", "text (blocks of concatenated text), chat (a messages column), instruction "
+                               "(instruction/input/output), prompt_completion (prompt/completion), preference "
+                               "(prompt/chosen/rejected: --method dpo or simpo), prompt (prompts alone: --method grpo), "
+                               "or auto: detected from the columns", choices=DATA_FORMATS)
+    chat_template: str = option("", "a Jinja chat template file that renders chat and instruction data, replacing the "
+                                 "tokenizer's own; saved with the model")
+    train_on_prompt: bool = option(False, "SFT: take the loss on every token, not only on the answers and their "
+                                    "end-of-turn tokens")
+    train_on_reasoning: bool = option(True, "chat SFT: train on the assistant's reasoning (Qwen3's <think> block, "
+                                       "gpt-oss's analysis channel) with its answer; false: the answer alone")
+    packing: bool = option(True, "SFT: pack examples into blocks of block_size (attention never crosses examples); "
+                            "false (--no_packing) pads each batch to its longest example")
+    long_examples: str = option("truncate", "SFT examples longer than block_size: truncate or drop (counted either "
+                                 "way)", choices=LONG_EXAMPLES)
+    max_train_samples: int = option(0, "use only the first N training samples (0 = all)")
+    max_eval_samples: int = option(0, "use only the first N held-out samples (0 = all)", on_resume=NEXT_STEP)
+    validation_split: float = option(0.05, "fraction held out for evaluation when the data has no validation/test split")
+    block_size: int = option(128, "tokens per training sequence (causal-lm)")
 
-    # where
-    output_dir: str = _opt("", "run directory; empty means outputs/<task>-<timestamp>")
 
-    # how long
-    max_steps: int = _opt(0, "optimizer steps to run; 0 = run num_epochs")
-    num_epochs: int = _opt(1, "passes over the training data (used when max_steps is 0)")
+@dataclass
+class TrainingOptions:
+    """training"""
+    max_steps: int = option(0, "optimizer steps to run; 0 = run num_epochs", on_resume=NEW_END)
+    num_epochs: int = option(1, "passes over the training data (used when max_steps is 0)", on_resume=NEW_END)
+    per_device_batch_size: int = option(8, "samples per process per micro-batch",
+                                        on_resume="the position in the epoch carries over to within one global batch")
+    per_device_eval_batch_size: int = option(0, "samples per process per evaluation batch (0 = per_device_batch_size)",
+                                             on_resume=NEXT_STEP)
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
+    optimizer: str = option("adamw", "adamw (decoupled decay on matrices and embeddings only) or adam (L2 decay on "
+                             "every parameter, as in the lectures)", choices=OPTIMIZERS)
+    learning_rate: float = option(1e-3, "peak learning rate",
+                                  on_resume="the rest of the schedule is rescaled to the new peak")
+    weight_decay: float = option(0.1, "weight decay (see --optimizer)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.95, "Adam beta2")
+    lr_scheduler_type: str = option("cosine_with_min_lr", "a transformers.get_scheduler schedule per optimizer step "
+                                     "(linear, cosine, cosine_with_min_lr, constant, constant_with_warmup, polynomial), "
+                                     "each after a linear warmup; or step (multiply by lr_gamma after every epoch, like "
+                                     "StepLR(step_size=1) stepped once per epoch)", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(0.05, "linear warmup over this fraction of the steps")
+    warmup_steps: int = option(0, "linear warmup over this many steps (overrides warmup_ratio when > 0)")
+    min_lr_ratio: float = option(0.1, "cosine_with_min_lr decays to learning_rate * min_lr_ratio")
+    lr_gamma: float = option(0.5, "the step schedule multiplies the learning rate by this after every epoch")
+    max_grad_norm: float = option(1.0, "clip the global gradient norm to this; 0 = no clipping",
+                                  on_resume="clipping uses it from the next step")
+    seed: int = option(42, "seed for model init, data order and dropout")
+    loss_chunk_size: int = option(512, "causal-lm: positions per chunk of the cross-entropy, computed from the output "
+                                   "layer's input so that the full [batch, block, vocab] logits never exist (0 = the "
+                                   "full logits; same loss either way)", on_resume=NEXT_STEP)
+    attn_implementation: str = option("auto", "causal-lm: the attention kernel, by transformers' names: sdpa or eager "
+                                       "keep packed examples apart with a [batch, 1, block, block] mask; flex_attention "
+                                       "and flash_attention_2 by their position ids alone (no mask, no block^2 memory; "
+                                       "CUDA GPUs); auto: the fastest this device and model have, named on the start "
+                                       "line", choices=ATTN_IMPLEMENTATIONS, on_resume=NEXT_STEP)
+    use_liger_kernel: bool = option(False, "causal-lm, CUDA GPUs: Liger's Triton kernels for the RMSNorm, SwiGLU and "
+                                     "rotary embeddings of the families Liger covers (pip install 'finetune[liger]'); "
+                                     "the loss stays finetune's chunked cross-entropy (the Trainer's name)",
+                                    on_resume=NEXT_STEP)
 
-    # optimisation
-    per_device_batch_size: int = _opt(8, "samples per process per micro-batch")
-    per_device_eval_batch_size: int = _opt(0, "samples per process per evaluation batch (0 = per_device_batch_size)")
-    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
-    optimizer: str = _opt("adamw", "adamw (decoupled decay on matrices and embeddings only) or adam (L2 decay on "
-                          "every parameter, as in the lectures)", choices=OPTIMIZERS)
-    learning_rate: float = _opt(1e-3, "peak learning rate")
-    weight_decay: float = _opt(0.1, "weight decay (see --optimizer)")
-    adam_beta1: float = _opt(0.9, "Adam beta1")
-    adam_beta2: float = _opt(0.95, "Adam beta2")
-    lr_scheduler_type: str = _opt("cosine_with_min_lr", "a transformers.get_scheduler schedule per optimizer step "
-                                  "(linear, cosine, cosine_with_min_lr, constant, constant_with_warmup, polynomial), "
-                                  "each after a linear warmup; or step (multiply by lr_gamma after every epoch, like "
-                                  "StepLR(step_size=1) stepped once per epoch)", choices=LR_SCHEDULERS)
-    warmup_ratio: float = _opt(0.05, "linear warmup over this fraction of the steps")
-    warmup_steps: int = _opt(0, "linear warmup over this many steps (overrides warmup_ratio when > 0)")
-    min_lr_ratio: float = _opt(0.1, "cosine_with_min_lr decays to learning_rate * min_lr_ratio")
-    lr_gamma: float = _opt(0.5, "the step schedule multiplies the learning rate by this after every epoch")
-    max_grad_norm: float = _opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
-    seed: int = _opt(42, "seed for model init, data order and dropout")
-    attn_implementation: str = _opt("auto", "causal-lm: the attention kernel, by transformers' names: sdpa or eager "
-                                    "keep packed examples apart with a [batch, 1, block, block] mask; flex_attention "
-                                    "and flash_attention_2 by their position ids alone (no mask, no block^2 memory; "
-                                    "CUDA GPUs); auto: the fastest this device and model have, named on the start "
-                                    "line", choices=ATTN_IMPLEMENTATIONS)
-    use_liger_kernel: bool = _opt(False, "causal-lm, CUDA GPUs: Liger's Triton kernels for the RMSNorm, SwiGLU and "
-                                  "rotary embeddings of the families Liger covers (pip install 'finetune[liger]'); "
-                                  "the loss stays finetune's chunked cross-entropy (the Trainer's name)")
-    loss_chunk_size: int = _opt(512, "causal-lm: positions per chunk of the cross-entropy, computed from the output "
-                                "layer's input so that the full [batch, block, vocab] logits never exist (0 = the "
-                                "full logits; same loss either way)")
 
-    # bookkeeping
-    log_every: int = _opt(1, "write a metrics row (and, with plain logs, a console line) every N optimizer steps")
-    log_format: str = _opt("auto", "bar (a progress bar), plain (one line per logged step and per evaluation), or "
-                           "auto: bar on a terminal, plain elsewhere or with TQDM_DISABLE=1", choices=LOG_FORMATS)
-    report_to: str = _opt("jsonl", "where metrics go, through Accelerate's trackers, one or more comma-separated: "
-                          "jsonl (RUN_DIR/metrics.jsonl), tensorboard (RUN_DIR/tensorboard), wandb (a W&B run named "
-                          "after the run dir; WANDB_MODE and friends apply), mlflow (an MLflow run; "
-                          "MLFLOW_TRACKING_URI applies), or none")
-    eval_every: int = _opt(0, "evaluate on the validation split every N steps (0 = only at start and end)")
-    eval_every_epochs: int = _opt(0, "also evaluate after every N epochs (0 = not per epoch)")
-    max_eval_batches: int = _opt(0, "cap evaluation at N batches per process (0 = the whole validation split)")
-    checkpoint_every: int = _opt(0, "sharded checkpoint every N optimizer steps (0 = only at the end)")
-    checkpoint_every_epochs: int = _opt(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)")
-    keep_last: int = _opt(0, "keep only the newest N checkpoints (0 = keep all)")
-    checkpoint_at_end: bool = _opt(True, "a sharded checkpoint when training ends, which `finetune resume` can "
-                                   "continue; false: the end writes final/ alone (a stop request still saves one)")
-    max_shard_size: str = _opt("2GB", "largest safetensors file of the final model dir (RUN_DIR/final); the ranks "
-                               "gather one file's tensors at a time, so this also bounds the memory of the final save")
-    resume_from_checkpoint: str = _opt("", "'latest' or a checkpoint dir to continue from; 'auto': the newest "
-                                       "complete checkpoint when there is one, else start fresh (for job scripts "
-                                       "that are requeued)")
-    profile_steps: int = _opt(0, "record N optimizer steps (after 2 warm-up steps) with torch.profiler into "
-                              "RUN_DIR/profile/ (0 = no profiling)")
-    sample_prompt: str = _opt("The", "prompt for the sample printed from the final causal LM ('' = no sample)")
-    overwrite: bool = _opt(False, "allow writing into an output_dir that already holds another run")
-    ddp_timeout: int = _opt(1800, "seconds a rank waits for the others in a collective before the run ends, naming "
-                            "the ranks that stopped answering (long enough for the main process to prepare data)")
+@dataclass
+class OutputOptions:
+    """checkpoints and outputs"""
+    output_dir: str = option("", "run directory; empty means outputs/<task>-<timestamp>")
+    overwrite: bool = option(False, "allow writing into an output_dir that already holds another run")
+    checkpoint_every: int = option(0, "sharded checkpoint every N optimizer steps (0 = only at the end)",
+                                   on_resume=NEXT_STEP)
+    checkpoint_every_epochs: int = option(0, "also a sharded checkpoint after every N epochs (0 = not per epoch)",
+                                          on_resume=NEXT_STEP)
+    keep_last: int = option(0, "keep only the newest N checkpoints (0 = keep all)", on_resume=NEXT_STEP)
+    checkpoint_at_end: bool = option(True, "a sharded checkpoint when training ends, which `finetune resume` can "
+                                      "continue; false: the end writes final/ alone (a stop request still saves one)",
+                                     on_resume=NEXT_STEP)
+    resume_from_checkpoint: str = option("", "'latest' or a checkpoint dir to continue from; 'auto': the newest "
+                                          "complete checkpoint when there is one, else start fresh (for job scripts "
+                                          "that are requeued)")
+    allow_unverified_checkpoint: bool = option(False, "resume from a checkpoint without manifest.json (written elsewhere "
+                                                "or by an older finetune): its files cannot be checked for damage")
+    max_shard_size: str = option("2GB", "largest safetensors file of the final model dir (RUN_DIR/final); the ranks "
+                                  "gather one file's tensors at a time, so this also bounds the memory of the final save",
+                                 on_resume="applies to the final model dir")
 
+
+@dataclass
+class LoggingOptions:
+    """evaluation and logging"""
+    eval_every: int = option(0, "evaluate on the validation split every N steps (0 = only at start and end)",
+                             on_resume=NEXT_STEP)
+    eval_every_epochs: int = option(0, "also evaluate after every N epochs (0 = not per epoch)", on_resume=NEXT_STEP)
+    max_eval_batches: int = option(0, "cap evaluation at N batches per process (0 = the whole validation split)",
+                                   on_resume=NEXT_STEP)
+    log_every: int = option(1, "write a metrics row (and, with plain logs, a console line) every N optimizer steps",
+                            on_resume=NEXT_STEP)
+    log_format: str = option("auto", "bar (a progress bar), plain (one line per logged step and per evaluation), or "
+                              "auto: bar on a terminal, plain elsewhere or with TQDM_DISABLE=1", choices=LOG_FORMATS,
+                             on_resume=NEXT_STEP)
+    report_to: str = option("jsonl", "where metrics go, through Accelerate's trackers, one or more comma-separated: "
+                             "jsonl (RUN_DIR/metrics.jsonl), tensorboard (RUN_DIR/tensorboard), wandb (a W&B run named "
+                             "after the run dir; WANDB_MODE and friends apply), mlflow (an MLflow run; "
+                             "MLFLOW_TRACKING_URI applies), or none", on_resume=NEXT_STEP)
+    sample_prompt: str = option("The", "prompt for the sample printed from the final causal LM ('' = no sample)",
+                                on_resume=NEXT_STEP)
+    profile_steps: int = option(0, "record N optimizer steps (after 2 warm-up steps) with torch.profiler into "
+                                 "RUN_DIR/profile/ (0 = no profiling)", on_resume=NEXT_STEP)
+
+
+@dataclass
+class LaunchOptions:
+    """FSDP and launch (sharding, processes and precision come from `accelerate launch --config_file`;
+    `finetune configs` lists them)"""
+    ddp_timeout: int = option(1800, "seconds a rank waits for the others in a collective before the run ends, naming "
+                               "the ranks that stopped answering (long enough for the main process to prepare data)",
+                              on_resume=NEXT_STEP)
+
+
+# The run config: this module's sections, then the PEFT methods' and the
+# objectives' (each section's fields are options; see options.py).
+OWN_SECTIONS = (ModelOptions, DataOptions, TrainingOptions, OutputOptions, LoggingOptions, LaunchOptions)
+SECTIONS = (*OWN_SECTIONS[:3], *PEFT_SECTIONS, *OBJECTIVE_SECTIONS, *OWN_SECTIONS[3:])
+
+
+@dataclass
+class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, the last base's first
     def recorded(self) -> dict[str, Any]:
         """What run_config.yaml keeps: every option but the permission that
         held for one command only (the next resume checks its checkpoint)."""
@@ -336,7 +293,11 @@ class TrainConfig:
         return [round(w / sum(weights), 12) for w in weights]  # 0.6, not 0.6000000000000001 in summary.json
 
     def validate(self) -> None:
-        positive = ["lora_r", "block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
+        for f in dataclasses.fields(self):
+            if (allowed := f.metadata["choices"]) and getattr(self, f.name) not in allowed:
+                raise UsageError(f"{flag(f.name)} {getattr(self, f.name)!r} is not supported; choose one of "
+                                 f"{', '.join(allowed)}")
+        positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
         non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                         "dataloader_num_workers",
@@ -365,27 +326,25 @@ class TrainConfig:
         if self.model_dtype != "float32" and self.task != "causal-lm":
             raise UsageError(f"--model_dtype {self.model_dtype} is for --task causal-lm; train {self.task} models in "
                              "float32 (mixed precision comes from the accelerate config)")
-        if self.method != "sft" and self.task != "causal-lm":
-            raise UsageError(f"--method {self.method} is for --task causal-lm; train {self.task} models with --method sft")
-        objective = OBJECTIVE_REGISTRY.get(self.method)
+        objective = OBJECTIVE_REGISTRY.get(self.objective)
         if objective is not None:  # an unknown name is refused with the other choices below
+            if objective.task_only and self.task != objective.task_only:
+                raise UsageError(f"--method {self.objective} is for --task {objective.task_only}; train {self.task} "
+                                 f"models with --method {DEFAULT_OBJECTIVE}")
             objective.check(self)
-            wanted = objective.data_format
-            if wanted is None and self.data_format in FORMATS_OF_AN_OBJECTIVE:
-                owner = next(e.name for e in OBJECTIVE_REGISTRY.values() if e.data_format == self.data_format)
-                raise UsageError(f"--data_format {self.data_format} is what --method {owner} trains on, not --method "
-                                 f"{self.method}; pass --method {owner}, or another --data_format")
+            wanted, given = objective.data_format, FORMATS.get(self.data_format)
+            if wanted is None and given is not None and not given.sft:
+                owners = [name for name, o in OBJECTIVE_REGISTRY.items() if o.data_format == self.data_format]
+                raise UsageError(f"--data_format {self.data_format} is what --method {' or '.join(owners)} trains on, "
+                                 f"not --method {self.objective}; pass --method {owners[0]}, or another --data_format")
             if wanted is not None and self.data_format not in ("auto", wanted):
-                raise UsageError(f"--method {self.method} trains on {FORMAT_WORDS[wanted]}, not --data_format "
+                raise UsageError(f"--method {self.objective} trains on {FORMATS[wanted].words}, not --data_format "
                                  f"{self.data_format}; pass --data_format {wanted} or auto")
-        if self.peft != "none" and self.task != "causal-lm":
-            raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft none")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise UsageError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}; pass e.g. 0.05")
-        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
-            raise UsageError(f"--lora_alpha must be a positive number, got {self.lora_alpha}; pass e.g. 16")
-        if not self.lora_target_modules.strip(", "):
-            raise UsageError("--lora_target_modules is empty; pass all-linear or module names such as q_proj,v_proj")
+        if self.peft in PEFT_REGISTRY:
+            if self.peft != "none" and self.task != "causal-lm":
+                raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft "
+                                 "none")
+            PEFT_REGISTRY[self.peft].check(self)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise UsageError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}; pass e.g. 0.03")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -399,13 +358,6 @@ class TrainConfig:
                              f"{', '.join(r for r in REPORTERS if r != 'none')}, comma-separated, or none")
         if not 0.0 < self.lr_gamma <= 1.0:
             raise UsageError(f"--lr_gamma must be in (0, 1], got {self.lr_gamma}; pass e.g. 0.5")
-        for name, allowed in (("task", TASKS), ("optimizer", OPTIMIZERS), ("lr_scheduler_type", LR_SCHEDULERS),
-                              ("data_format", DATA_FORMATS), ("long_examples", LONG_EXAMPLES),
-                              ("log_format", LOG_FORMATS), ("peft", PEFT_METHODS), ("method", OBJECTIVES),
-                              ("dpo_loss", DPO_LOSSES), ("mixture_stop", MIXTURE_STOPS),
-                              ("model_dtype", MODEL_DTYPES), ("attn_implementation", ATTN_IMPLEMENTATIONS)):
-            if getattr(self, name) not in allowed:
-                raise UsageError(f"--{name} {getattr(self, name)!r} is not supported; choose one of {', '.join(allowed)}")
 
     def _validate_data_sources(self) -> None:
         sources, weights = self.sources, self.dataset_weights
@@ -420,12 +372,13 @@ class TrainConfig:
             raise UsageError(f"--dataset_weights gives {rare} a share of {min(weights) / sum(weights):.3g}: under "
                              "--mixture_stop all_exhausted every source must run out, and one drawn that rarely "
                              "never would; raise its weight, drop the source, or stop at first_exhausted")
-        if len(sources) > 1 and (self.task != "causal-lm" or self.method != "sft"):
+        if len(sources) > 1 and (self.task != "causal-lm" or self.objective != "sft"):
             raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method sft; train "
-                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.method} on one --dataset")
-        if self.streaming and (self.task != "causal-lm" or self.method != "sft"):
+                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.objective} on one "
+                             "--dataset")
+        if self.streaming and (self.task != "causal-lm" or self.objective != "sft"):
             raise UsageError(f"--streaming is for --task causal-lm --method sft; train "
-                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.method} without it")
+                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.objective} without it")
         if self.streaming and self.max_steps == 0:
             raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by; pass "
                              "--max_steps N (an epoch is then one pass, when the stream ends)")
@@ -444,6 +397,25 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _element(hint) -> type:
+    """The element type of a list option's type hint (list[float]: float; str | list[str]: str)."""
+    lists = [h for h in (typing.get_args(hint) or (hint,)) if typing.get_origin(h) is list] or [hint]
+    return typing.get_args(lists[0])[0]
+
+
+# Options a resume may change, and what the change does (their `on_resume`).
+RESUME_MAY_CHANGE = {f.name: f.metadata["on_resume"] for f in dataclasses.fields(TrainConfig)
+                     if f.metadata["on_resume"]}
+# Options that take several values, and the type of each.
+SEVERAL_VALUES = {f.name: _element(get_type_hints(TrainConfig)[f.name]) for f in dataclasses.fields(TrainConfig)
+                  if f.metadata["nargs"]}
+
+
+def flag(name: str) -> str:
+    """An option as users spell it on the command line."""
+    return "--method" if name == "objective" else f"--{name}"
 
 
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -517,6 +489,7 @@ ALIASES = {
     "eval_steps": "eval_every", "overwrite_output_dir": "overwrite",
     "lr_scheduler": "lr_scheduler_type",  # this project's own name before the get_scheduler names
     "moe_aux_loss_coef": "router_aux_loss_coef",  # LLaMA-Factory's name
+    "method": "objective",  # the flag users know, and what run configs recorded before `objective`
 }
 # Names that are not options of a run here: what they are, the `accelerate
 # launch` options that set what they meant (from the value given), and the
@@ -564,9 +537,13 @@ def defaults_note(cfg: "TrainConfig") -> str:
     return f"fine-tuning defaults ({FINE_TUNING_DEFAULTS}), because --model {cfg.model} is a pretrained model"
 
 
-def objective_rates(method: str) -> dict[str, float]:
-    """The fine-tuning learning rates of an objective that differ from SFT's."""
-    return OBJECTIVE_REGISTRY[method].learning_rates if method in OBJECTIVE_REGISTRY else {}
+def fine_tuning_defaults(objective: str, peft: str) -> dict[str, Any]:
+    """What a fine-tune of a pretrained model starts from: the usual values, and
+    the learning rate of the objective or of the PEFT method."""
+    adapters = PEFT_REGISTRY[peft].trains_adapters if peft in PEFT_REGISTRY else False
+    rates = OBJECTIVE_REGISTRY[objective].learning_rates if objective in OBJECTIVE_REGISTRY else {}
+    rate = rates.get("lora" if adapters else "full") or (PEFT_REGISTRY[peft].learning_rate if adapters else None)
+    return {**FINE_TUNING_DEFAULTS, **({"learning_rate": rate} if rate else {})}
 
 
 # The module names of a mixture of experts' fused experts and routers, which
@@ -618,30 +595,31 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
     if path and own_code and "reward_funcs" not in overrides:
         raise UsageError(f"{path} names reward functions of your own code ({' '.join(own_code)}), which run only when "
                          f"the command line names them: pass --reward_funcs {' '.join(values['reward_funcs'])}")
+    overrides = {ALIASES.get(key, key): value for key, value in overrides.items()}
     values.update(overrides)
-    # Asked for on the command line: a run config file records every option, LoRA's defaults included.
-    if values.get("peft", TrainConfig.peft) == "none" and (given := [n for n in LORA_OPTIONS if n in overrides]):
-        raise UsageError(f"--{given[0]} applies to LoRA runs and this run trains every parameter; add --peft lora, "
-                         f"or drop --{given[0]}")
+    # Asked for on the command line (a run config file records every option, those of other
+    # objectives and PEFT methods included): an option the run's objective or PEFT method does not read.
+    objective = values.get("objective", TrainConfig.objective)
+    peft = values.get("peft", TrainConfig.peft)
+    for chosen, option_name, readers, fallback in ((peft, "peft", PEFT_READERS, "lora"),
+                                                   (objective, "method", OBJECTIVE_READERS, None)):
+        if given := [name for name, users in readers.items() if name in overrides and chosen not in users]:
+            users = readers[given[0]]
+            add = fallback if fallback in users else users[0]
+            raise UsageError(f"--{given[0]} applies to --{option_name} {' or '.join(users)} and this run is "
+                             f"--{option_name} {chosen}; add --{option_name} {add}, or drop --{given[0]}")
     if "lora_dropout" in overrides and coerce("lora_dropout", overrides["lora_dropout"]) and \
             (in_place := names_adapted_in_place(str(values.get("lora_target_modules", "")))):
         raise UsageError(f"--lora_dropout applies to linear layers, and --lora_target_modules names {in_place} (fused "
                          "experts or a router), which peft adapts in place without dropout; pass --lora_dropout 0, "
                          "or name linear layers alone")
-    method = values.get("method", TrainConfig.method)
-    if given := [n for n, methods in METHOD_OPTIONS.items() if n in overrides and method not in methods]:
-        users = " or ".join(METHOD_OPTIONS[given[0]])
-        raise UsageError(f"--{given[0]} applies to --method {users} and this run is --method {method}; add "
-                         f"--method {METHOD_OPTIONS[given[0]][0]}, or drop --{given[0]}")
     task = values.get("task", TrainConfig.task)
     if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
         entry = REGISTRY[task]
         model = values.get("model", entry.defaults.get("model", TrainConfig.model))
-        adapters = "lora" if values.get("peft", "none") != "none" else "full"
-        fine_tuning = {} if from_scratch(model) else {
-            **FINE_TUNING_DEFAULTS, **({"learning_rate": LORA_LEARNING_RATE} if adapters == "lora" else {}),
-            **({"learning_rate": rates[adapters]} if (rates := objective_rates(method)) else {})}
-        values = {**entry.defaults, **fine_tuning, **values}
+        fine_tuning = {} if from_scratch(model) else fine_tuning_defaults(objective, peft)
+        own = OBJECTIVE_REGISTRY[objective].defaults if objective in OBJECTIVE_REGISTRY else {}
+        values = {**entry.defaults, **own, **fine_tuning, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()
     return cfg

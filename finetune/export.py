@@ -102,23 +102,23 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
                             dtype: str = "float32", overwrite: bool = False, model: str | None = None,
                             max_shard_size: int = 2 * 10**9, adapter_only: bool = False,
                             trust_remote_code: bool = False, allow_unverified: bool = False) -> Path:
-    """The checkpoint as a HF model dir, as the fine-tuning method that wrote
+    """The checkpoint as a HF model dir, as the PEFT method that wrote
     it saves its model (adapters merged into their base), or (adapter_only)
     the adapters alone. `trust_remote_code` is the command line's: the run's
     own record of it is never taken."""
-    from finetune.peft import method_of_checkpoint
+    from finetune.peft import peft_of_checkpoint
 
     output = Path(output)
     checkpoint_dir = weights.parent
     # What the export reads, against the checksums the checkpoint recorded.
     verify_manifest(checkpoint_dir, under=(weights.name, MODEL_CONFIG_DIR), allow_unverified=allow_unverified)
     model_files = checkpoint_dir / MODEL_CONFIG_DIR
-    method = method_of_checkpoint(model_files)
-    if adapter_only and not method.saves_adapters:
+    peft = peft_of_checkpoint(model_files)
+    if adapter_only and not peft.saves_adapters:
         raise UsageError(f"{checkpoint_dir} is a full fine-tune's checkpoint: it holds the whole model and no "
                          "adapters; export it without --adapter_only")
     # --model: the base to merge the adapters into, else where the config comes from
-    base_model, model = (model, None) if method.saves_adapters else (None, model)
+    base_model, model = (model, None) if peft.saves_adapters else (None, model)
     config_source = model or (str(model_files) if model_files.is_dir() else None)
     if config_source is None:
         raise UsageError(f"{checkpoint_dir} has no {MODEL_CONFIG_DIR}/ (not written by finetune); pass --model with "
@@ -133,13 +133,13 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
                          f"({str(e).strip().splitlines()[0]}); pass --model with a HF model dir") from None
     generation_config = read_generation_config(config_source)
     if adapter_only:
-        written = method.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
+        written = peft.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
         write_model_card(written, config, checkpoint_record(checkpoint_dir))
         return written
-    task = run_task(checkpoint_dir, base_model, trust_remote_code) if method.saves_adapters else None
-    model_weights = method.export_weights(checkpoint_dir, backend.export_weights(weights),
+    task = run_task(checkpoint_dir, base_model, trust_remote_code) if peft.saves_adapters else None
+    model_weights = peft.export_weights(checkpoint_dir, backend.export_weights(weights),
                                           lambda: task.base_model(tokenizer), task and task.model_source)
-    tied = read_tied(model_files) if config_source == str(model_files) and not method.saves_adapters else None
+    tied = read_tied(model_files) if config_source == str(model_files) and not peft.saves_adapters else None
     try:
         written = write_model_dir(model_weights, config, output, tokenizer=tokenizer,
                                   generation_config=generation_config, run_data=run_data(checkpoint_dir), dtype=dtype,

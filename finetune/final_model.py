@@ -1,5 +1,5 @@
 """The trained model as a Hugging Face model dir (`RUN_DIR/final`): the
-backend says how the ranks hand over the tensors, the fine-tuning method what
+backend says how the ranks hand over the tensors, the PEFT method what
 is saved (adapters merged into their base), and model_dir.py
 writes the files. `finetune export` writes a checkpoint through the same two
 questions (finetune/export.py)."""
@@ -21,7 +21,7 @@ def write_final_model(run) -> Path:
     file as it is written, so no rank ever holds the whole state; where the
     backend gathers the whole state at once (FSDP1, ZeRO-3), Accelerate does
     so on the main process first."""
-    acc, backend, method = run.accelerator, run.backend, run.task.method
+    acc, backend, peft = run.accelerator, run.backend, run.task.peft
     final_dir = run.run_dir / "final"
     live_model = acc.unwrap_model(run.model)
     hf_config = live_model.config
@@ -37,7 +37,7 @@ def write_final_model(run) -> Path:
 
         def write() -> None:
             if acc.is_main_process:
-                weights = method.final_weights({name: (t.shape, t.dtype) for name, t in state.items()},
+                weights = peft.final_weights({name: (t.shape, t.dtype) for name, t in state.items()},
                                                lambda names: {name: state[name] for name in names}, live_model, base)
                 write_model_dir(weights, hf_config, final_dir, **write_options)
     else:  # FSDP2 (DTensor shards), whole parameters on every rank (DDP, ZeRO-1/2) or one process
@@ -46,7 +46,7 @@ def write_final_model(run) -> Path:
 
         def write() -> None:
             serve_full_tensors(acc, tensors, lambda fetch: write_model_dir(
-                method.final_weights(specs, fetch, live_model, base), hf_config, final_dir, **write_options))
+                peft.final_weights(specs, fetch, live_model, base), hf_config, final_dir, **write_options))
     try:
         with backend.models_built_whole(acc):
             on_every_rank(acc, write)

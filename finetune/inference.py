@@ -10,8 +10,9 @@ from torch.utils.data import DataLoader, Subset
 from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn  # noqa: F401  (registers the lecture CNN with the Auto classes)
-from finetune.config import DATA_OPTIONS, FORMAT_WORDS, TrainConfig
-from finetune.objectives import REGISTRY as OBJECTIVES
+from finetune.config import DATA_OPTIONS, TrainConfig
+from finetune.data.formats import FORMATS
+from finetune.objectives import REGISTRY as OBJECTIVES, recorded_objective
 from finetune.data.templates import check_chat_template
 from finetune.errors import UsageError, missing_or_odd
 from finetune.model_dir import read_run_data
@@ -96,16 +97,16 @@ def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_
     exactly `score_split`, else the data's own validation or test split, else
     all of it, or with `held_out` on the part a run with these options held out."""
     recorded = read_run_data(model_dir)
-    method = recorded.get("method", "sft")
-    held = OBJECTIVES[method].data_format if method in OBJECTIVES else None
+    objective = recorded_objective(recorded)
+    held = OBJECTIVES[objective].data_format if objective in OBJECTIVES else None
     if held and "dataset" not in given:
-        raise UsageError(f"{model_dir} was trained with --method {method}, whose held-out data ({FORMAT_WORDS[held]}) has no text "
-                         "to score perplexity on; its held-out scores are in its run's summary.json (first_eval, "
-                         "last_eval), or pass --dataset with text to score the model on")
+        raise UsageError(f"{model_dir} was trained with --method {objective}, whose held-out data "
+                         f"({FORMATS[held].words}) has no text to score perplexity on; its held-out scores are in its "
+                         "run's summary.json (first_eval, last_eval), or pass --dataset with text to score the model on")
     entry, model, tokenizer = load_model_dir(model_dir)
     if "dataset" in given:  # other data: keep only the run's options that do not name its data's parts
         recorded = {k: v for k, v in recorded.items() if k not in OF_THE_RUNS_DATA
-                    and not (k == "data_format" and v in FORMAT_WORDS)}  # an objective's: the new data's own
+                    and not (k == "data_format" and v in FORMATS and not FORMATS[v].sft)}  # an objective's: the new data's own
     options = {**recorded, **given}
     what = "the run's held-out data" if "dataset" in recorded and "dataset" not in given and not score_split else ""
     if not (held_out or what):  # score the split itself: nothing is split off it

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from finetune.config import ATTN_WITHOUT_MASK
+from finetune.models.attention import WITHOUT_MASK as ATTN_WITHOUT_MASK
 from finetune.errors import UsageError
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"  # what `accelerate launch` sets from the config's parallelism_config keys

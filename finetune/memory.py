@@ -64,16 +64,16 @@ from finetune.shard_loading import OwnShards
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
 
 class ShapesThePlan(Protocol):
-    """The fine-tuning method, as the planner sees it: the model it trains and the weights it holds in 4 bits."""
+    """The PEFT method, as the planner sees it: the model it trains and the weights it holds in 4 bits."""
     four_bit_bytes_per_weight: float
 
     def plan_model(self, model: torch.nn.Module, num_processes: int) -> tuple[torch.nn.Module, int]: ...
 
 
-def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_processes: int = 1) -> ModelShape:
+def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_processes: int = 1) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
-    are estimated. The fine-tuning `method` shapes the model as it would train
+    are estimated. The PEFT method (`peft`) shapes the model as it would train
     it (adapters added and trainable, the base frozen, some of it in 4 bits
     over `num_processes`)."""
     causal_lm = REGISTRY["causal-lm"]
@@ -98,7 +98,7 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
     with torch.device("meta"):
         model = causal_lm.auto().from_config(config)
     experts = moe.parameter_counts(model, config) if moe.is_moe(config) else {"experts": 0, "active": 0}
-    model, four_bit = method.plan_model(model, num_processes) if method else (model, 0)
+    model, four_bit = peft.plan_model(model, num_processes) if peft else (model, 0)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -107,7 +107,7 @@ def model_shape(name_or_path: str, method: ShapesThePlan | None = None, num_proc
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
                       trainable=sum(p.numel() for p in unique.values() if p.requires_grad), four_bit=four_bit,
-                      four_bit_bytes_per_weight=method.four_bit_bytes_per_weight if method else 0.0,
+                      four_bit_bytes_per_weight=peft.four_bit_bytes_per_weight if peft else 0.0,
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
                       vocab=config.vocab_size,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
@@ -274,26 +274,24 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, compute_bytes
 
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
-             ram_efficient_loading: bool = True, pairs: bool = False, generation: bool = False,
+             ram_efficient_loading: bool = True, sequences_per_row: int = 1, samples: bool = False,
              reference_copy: bool = False, meshes: tuple[tuple[int, int, int], ...] = (),
              packed_rows: bool = False, attn_implementation: str = "flex_attention") -> list[Estimate]:
     """`weight_bytes` per parameter as loaded (--model_dtype). The frozen base
     under adapters stays so; trainable parameters are fp32 under mixed precision
     (Accelerate upcasts them) and adapters always are (the adapter library upcasts them).
-    `pairs`: a preference method's batch, two sequences a pair, through the full
-    logits; `generation`: GRPO's, `batch` completions sampled with a KV cache
-    (held while sampling, in place of the training activations) and then trained
-    through the full logits; `reference_copy`: a frozen reference beside the
+    `sequences_per_row` above 1: an objective's rows put that many sequences
+    through one forward (a preference pair's two), through the full logits;
+    `samples`: `batch` completions sampled with a KV cache (held while sampling,
+    in place of the training activations), then trained through the full logits; `reference_copy`: a frozen reference beside the
     parameters (the backends that refuse one have no rows then)."""
     n = num_processes
-    if pairs:
-        batch, loss_chunk_size = 2 * batch, 0
-    if generation:
-        loss_chunk_size = 0
+    if sequences_per_row > 1 or samples:  # objectives whose loss reads the full logits
+        batch, loss_chunk_size = sequences_per_row * batch, 0
     compute = 2 if mixed_precision == "bf16" else 4
     p, t = shape.params, shape.trainable or shape.params
-    mask = mask_bytes(batch, block_size, attn_implementation, compute) if packed_rows or pairs or generation else 0
-    sampling = kv_cache_bytes(shape, batch, block_size, compute) if generation else 0
+    mask = mask_bytes(batch, block_size, attn_implementation, compute) if packed_rows or sequences_per_row > 1 or samples else 0
+    sampling = kv_cache_bytes(shape, batch, block_size, compute) if samples else 0
     inputs = PlanInputs(
         shape=shape, num_processes=n, compute_bytes=compute, mixed_precision=mixed_precision, weight_bytes=weight_bytes,
         trained_bytes=4 if t < p or mixed_precision != "no" else weight_bytes,

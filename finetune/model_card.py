@@ -20,7 +20,9 @@ from pathlib import Path
 import yaml
 
 from finetune import json_text
+from finetune.gguf_families import FAMILIES
 from finetune.model_dir import is_own_file, read_json_object, replace_file
+from finetune.objectives import recorded_objective
 from finetune.presets import CNN_MODEL_TYPE, CNN_PRESETS, GPT2_PRESETS
 
 CARD = "README.md"
@@ -122,8 +124,8 @@ def training_rows(cfg: dict, facts: dict, adapters_only: bool = False) -> list[t
             rows.append(("Steps", f"{steps:,} of {per_step.format('images')}"))
     else:
         data_format = facts.get("data_format") or cfg.get("data_format")
-        rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(cfg.get("method", "sft"),
-                                                                                  str(cfg.get("method", "")).upper())),
+        rows = [("Method", {"sft": "supervised fine-tuning (next-token loss)"}.get(recorded_objective(cfg),
+                                                                                  recorded_objective(cfg).upper())),
                 ("Fine-tuning", fine_tuning_line(cfg, adapters_only)),
                 ("Data", data_line(cfg) + (f" ({data_format})" if data_format not in (None, "auto") else "")
                          + f", blocks of {cfg.get('block_size')} tokens, "
@@ -205,8 +207,6 @@ def usage(model_dir: Path, gguf_family: bool) -> list[str]:
 
 
 def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
-    from finetune.gguf_export import FAMILIES
-
     cfg, summary = (record.config, record.facts) if record else ({}, {})
     lm_eval = read_json_object(model_dir / LM_EVAL_RESULTS)
     base = str(cfg.get("model") or getattr(config, "_name_or_path", "") or "")
@@ -215,7 +215,7 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
     adapters_only = (model_dir / "adapter_config.json").is_file()
     header = {"library_name": "peft" if adapters_only else "transformers",
               "pipeline_tag": "text-generation" if causal else "image-classification",
-              "tags": ["finetune", str(cfg.get("method", "sft")) if causal else "image-classification"]
+              "tags": ["finetune", recorded_objective(cfg) if causal else "image-classification"]
               + ([str(cfg["peft"])] if cfg.get("peft", "none") != "none" else [])}
     if base and is_hub_id(base):
         header["base_model"] = base
@@ -229,7 +229,7 @@ def model_card(model_dir: Path, config, record: RunRecord | None) -> str:
               f"fine-tuned from `{base}`" if base else "fine-tuned")
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {title}", "",
              f"A {getattr(config, 'model_type', 'model')} model {origin} with finetune"
-             + (f" ({cfg.get('method', 'sft').upper()})." if cfg and causal else "."), ""]
+             + (f" ({recorded_objective(cfg).upper()})." if cfg and causal else "."), ""]
     if cfg:
         lines += ["## Training", "", "| | |", "| --- | --- |"]
         lines += [f"| {name} | {value} |" for name, value in training_rows(cfg, summary, adapters_only)]

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.config import resume_changes
-from finetune.data.fingerprint import check_same_inputs, glob_matches, input_fingerprints
-from finetune.data.locations import locate
+from finetune.data.fingerprint import check_same_inputs, input_fingerprints
+from finetune.data.locations import glob_matches, locate
 from finetune.data.stream import StreamBatches
 from finetune.errors import UsageError, not_a_file
 from finetune.launch_request import check_launch_runs_here

@@ -306,8 +306,9 @@ def run_summary(run, final_dir: Path, final_save_rss_rise: int, state: dict[str,
         "mixed_precision": acc.mixed_precision,
         "total_params": run.shards.total_params,
         "trainable_params": trainable,
-        **run.task.method.summary_facts(),
-        "method": run.cfg.method,
+        **run.task.peft.summary_facts(),
+        "objective": run.cfg.objective,
+        "method": run.cfg.objective,  # the same, under the flag's name, as summaries have always said
         **run.task.summary_facts(),  # a preference run's reference: its parameters on each rank
         "fsdp_units": run.fsdp_units,
         "parallelism": run.shards.mesh.as_dict(),  # dp_replicate x dp_shard x tp, read from the prepared parameters

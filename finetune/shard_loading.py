@@ -162,7 +162,7 @@ class OwnShards:
         """Read into every parameter and persistent buffer of the sharded model
         the rows this rank keeps, cast as from_pretrained(dtype=--model_dtype)
         casts them, then to the tensor's dtype (fp32 under mixed precision).
-        What the fine-tuning method `added` (adapters) is not in the files: it
+        What the PEFT method `added` (adapters) is not in the files: it
         was initialised the same on every rank."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

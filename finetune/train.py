@@ -138,7 +138,7 @@ def train(cfg: TrainConfig) -> dict:
     host = HostMemory()
     check_preset_task(cfg.model, cfg.task)
     task = build_task(cfg)
-    task.method.check_supported_here()
+    task.peft.check_supported_here()
     run_dir = Path(cfg.output_dir)
     new_dir = not run_dir.exists()
     afresh = starts_afresh(run_dir)  # (a resume from another run's checkpoint may write into a new dir)
@@ -223,7 +223,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(optimizer, cfg, total_steps))
     backend.after_prepare(model)
     if task.own_shards is not None:
-        task.own_shards.fill(model, task.method.added_by_method)  # each rank reads the rows of the weights it keeps
+        task.own_shards.fill(model, task.peft.added_by_peft)  # each rank reads the rows of the weights it keeps
         accelerator.print(f"each rank read only its shard of the weights of {cfg.model}")
     task.prepared(accelerator, backend, model)  # after the weights: it may run the model (--precompute_reference)
     load_peak_rss = host.peak()
@@ -235,7 +235,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              "inputs": inputs},
-            sort_keys=False), tokenizer=data.tokenizer, method=task.method, backend=backend,
+            sort_keys=False), tokenizer=data.tokenizer, peft=task.peft, backend=backend,
         data=[train_batches, sources],
         allow_unverified=cfg.allow_unverified_checkpoint)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,
@@ -333,7 +333,7 @@ def start_writing(run: Run, resumed_from: Path | None) -> None:
             (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     layout = run.backend.layout_line(acc, run.shards, run.fsdp_units)
     if (trainable := trainable_params(run.model)) < run.shards.total_params:
-        layout += run.task.method.trainable_note(trainable)
+        layout += run.task.peft.trainable_note(trainable)
     acc.print(f"{layout}; {run.data.description}; {run.total_steps} steps; {run.cpu_threads} CPU thread(s) per process")
 
 

@@ -48,8 +48,8 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.distrib
            "transformers.models.llama.modeling_llama", "accelerate", "accelerate.commands.launch", "datasets",
            "safetensors.torch", "torch.distributed.checkpoint.state_dict", "scipy.io", "evaluate",
            "matplotlib.pyplot", "matplotlib.backends.backend_agg", "finetune.cli", "finetune.train",
-           "finetune.tasks.causal_lm", "finetune.tasks.image_classification", "finetune.objectives.preference",
-           "finetune.objectives.grpo", "finetune.inference", "finetune.export", "finetune.gguf_export")
+           "finetune.tasks.causal_lm", "finetune.tasks.image_classification", "finetune.objectives.pairs",
+           "finetune.objectives.rollouts", "finetune.inference", "finetune.export", "finetune.gguf_export")
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)
 

@@ -158,7 +158,7 @@ class Backend:
         may start below the model the backend wrapped (a PEFT model's base)."""
         yield
 
-    # A model that only runs forward (a preference method's frozen reference).
+    # A model that only runs forward (a preference objective's frozen reference).
     frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead
 
     def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -32,44 +32,38 @@ from datasets import Dataset, DatasetDict
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.formats import FORMATS
 from finetune.data.templates import check_chat_template
-from finetune.config import FORMAT_WORDS
 from finetune.errors import UsageError, not_a_file
-from finetune.objectives import REGISTRY as OBJECTIVE_REGISTRY
 
 IGNORE = -100
-# The columns that name each format, in the order detection tries them.
-FORMAT_COLUMNS = {"preference": ("chosen", "rejected"), "chat": ("messages",), "instruction": ("instruction", "output"),
-                  "prompt_completion": ("prompt", "completion"), "prompt": ("prompt",)}
-SFT_FORMATS = ("chat", "instruction", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 # Each example's 1-based number in its source split, kept through the held-out
 # split's shuffle so that errors name the example the user can find.
 EXAMPLE_NUMBER = "_example"
 
 
-def detect_format(columns: list[str], requested: str, text_column: str, dataset: str) -> str:
+def detect_format(columns: list[str], requested: str, text_column: str, dataset: str, objective: str = "sft") -> str:
     """The data format: the one requested, checked against the columns, or the
-    first whose columns are all present."""
+    first whose columns are all present. `objective`: the --method that asked
+    for its own format, named in the error when the columns are not there."""
     have = ", ".join(columns)
     if requested == "auto":
-        found = next((name for name, needed in FORMAT_COLUMNS.items() if set(needed) <= set(columns)), None)
+        found = next((name for name, entry in FORMATS.items() if set(entry.columns) <= set(columns)), None)
         if found:
             return found
         if text_column in columns:
             return "text"
-        raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {have}), nor those of chat "
-                         "(messages), instruction (instruction/output), prompt_completion (prompt/completion) or "
-                         "preference (chosen/rejected) data; pass --text_column with the right name, or rename the "
-                         "columns")
-    needed = FORMAT_COLUMNS.get(requested, (text_column,))
+        kinds = ", ".join(f"{name} ({'/'.join(entry.columns)})" for name, entry in FORMATS.items())
+        raise UsageError(f"--dataset {dataset} has no column {text_column!r} (columns: {have}), nor those of the "
+                         f"formats {kinds}; pass --text_column with the right name, or rename the columns")
+    entry = FORMATS.get(requested)
+    needed = entry.columns if entry else (text_column,)
     missing = [c for c in needed if c not in columns]
-    if missing and (owners := [e.name for e in OBJECTIVE_REGISTRY.values() if e.data_format == requested]):
-        example = {"preference": '{"prompt": ..., "chosen": ..., "rejected": ...}',
-                   "prompt": '{"prompt": ...} (a string, or messages)'}.get(requested, "")
-        raise UsageError(f"--method {'/'.join(owners)} trains on {FORMAT_WORDS[requested]}, and --dataset {dataset} "
-                         f"has no column(s) {', '.join(missing)} (columns: {have}); give each row "
-                         f"{example or ', '.join(needed)}, renaming the columns, or train on it with --method sft")
+    if missing and entry and not entry.sft:
+        raise UsageError(f"--method {objective} trains on {entry.words}, and --dataset {dataset} has no column(s) "
+                         f"{', '.join(missing)} (columns: {have}); give each row {entry.example}, renaming the "
+                         "columns, or train on it with --method sft")
     if missing:
         try:
             fix = f"pass --data_format {detect_format(columns, 'auto', text_column, dataset)}"

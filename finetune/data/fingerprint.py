@@ -6,7 +6,6 @@ is refused like a changed option."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.objectives.rewards import reward_file
+from finetune.data.locations import glob_matches
 from finetune.errors import UsageError
 
 # The options that name files the run reads; their values are recorded as absolute paths.
@@ -23,13 +23,6 @@ INPUT_OPTIONS = ("dataset", "chat_template")
 def local_path(value: str) -> Path | None:
     """The file or dir an option names, when it names one on this machine."""
     return Path(value) if value and Path(value).exists() else None
-
-
-def glob_matches(value: str) -> list[Path]:
-    """The files a glob such as data/shard-*.jsonl.gz names, sorted (none for anything else)."""
-    if not value or not any(c in value for c in "*?[") or Path(value).exists():
-        return []
-    return sorted(Path(p) for p in glob.glob(os.path.expanduser(value), recursive=True) if Path(p).is_file())
 
 
 # A streamed file is fingerprinted by its size, its first and last bytes and

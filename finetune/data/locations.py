@@ -5,11 +5,20 @@ misspelt path ends in a second, and sources.py loads by the same rule."""
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.data.fingerprint import glob_matches
 from finetune.errors import UsageError
+
+
+def glob_matches(value: str) -> list[Path]:
+    """The files a glob such as data/shard-*.jsonl.gz names, sorted (none for anything else)."""
+    if not value or not any(c in value for c in "*?[") or Path(value).exists():
+        return []
+    return sorted(Path(p) for p in glob.glob(os.path.expanduser(value), recursive=True) if Path(p).is_file())
+
 
 # Compressed data files are read through (datasets opens them by their suffix).
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 from datasets.distributed import split_dataset_by_node
 from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.builtin import (build_stdlib_corpus, build_stdlib_module_questions, build_stdlib_preferences,
-                                   build_stdlib_questions)
-from finetune.data.chat import EXAMPLE_NUMBER, SFT_FORMATS, detect_format
+from finetune.data import builtin
+from finetune.data.builtin import build_stdlib_corpus, build_stdlib_questions
+from finetune.data.chat import EXAMPLE_NUMBER, detect_format
+from finetune.data.formats import FORMATS, SFT_FORMATS
 from finetune.data.locations import TEXT_FILES
 from finetune.data.mixture import Source, is_held_out
 from finetune.data.sources import (HELD_OUT_SPLITS, limit_samples, load_source, named_split, root_cause,
@@ -34,26 +36,25 @@ def _builtin_chat() -> DatasetDict:
     return load_dataset("json", data_files=str(build_stdlib_questions()))
 
 
-def _builtin_preference() -> DatasetDict:
-    return load_dataset("json", data_files=str(build_stdlib_preferences()))
-
-
-def _builtin_prompts() -> DatasetDict:
-    return load_dataset("json", data_files=str(build_stdlib_module_questions()))
+def _builtin(data_format: str) -> Callable[[], DatasetDict]:
+    """The embedded default in a data format: its rows in that format, or the stdlib's docstrings as text."""
+    if data_format not in FORMATS:
+        return _builtin_text
+    build = getattr(builtin, FORMATS[data_format].builtin)
+    return lambda: load_dataset("json", data_files=str(build()))
 
 
 def load_raw_data(dataset: str, data_format: str, text_column: str, validation_split: float, seed: int, *,
                   config: str = "", split: str = "", eval_split: str = "",
-                  sample_by: str = "paragraph") -> tuple[DatasetDict, str]:
+                  sample_by: str = "paragraph", objective: str = "sft") -> tuple[DatasetDict, str]:
     """`train` and `validation` splits, and the data format they are in. The
-    embedded default is plain text, or questions and answers for SFT formats.
+    embedded default is plain text, or its rows in the format asked for.
     `config`, `split` and `eval_split`: see sources.py; `sample_by`: what one
-    document of a .txt file is (see `_txt_options`)."""
-    builtin = {**dict.fromkeys(SFT_FORMATS, _builtin_chat), "preference": _builtin_preference,
-               "prompt": _builtin_prompts}.get(data_format,
-                                                                                                 _builtin_text)
-    raw = load_source(dataset, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config, _txt_options(sample_by))
-    data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset)
+    document of a .txt file is (see `_txt_options`); `objective`: the --method
+    the rows are for (errors name it)."""
+    raw = load_source(dataset, _builtin(data_format), TEXT_FILES, f"{'/'.join(TEXT_FILES)} files", config,
+                      _txt_options(sample_by))
+    data_format = detect_format(train_split(raw, split).column_names, data_format, text_column, dataset, objective)
     if data_format == "text":
         return _text_splits(raw, dataset, text_column, validation_split, seed, split, eval_split), data_format
     if len(train_split(raw, split)) == 0:

@@ -1,7 +1,9 @@
 """Models: GPT-2 and the lectures' CNN built from a config (the named shapes
 are in finetune/presets.py), or any HF model by id or dir.
 
-Nothing here knows about training, sharding, devices or tasks.
+Nothing here knows about training, sharding, devices or tasks. Light at
+import (the config reads models/attention.py's names): torch and transformers
+are imported where a model is built or read.
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from finetune.errors import UsageError, first_line
 
 if TYPE_CHECKING:  # the model code (transformers' and the CNN's) is imported where a model is built
+    import torch
     from transformers import GPT2Config, PretrainedConfig, PreTrainedModel
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -38,6 +39,7 @@ def placeholder_model(config: PretrainedConfig, auto_class, dtype: torch.dtype,
     frequencies, masks: nobody sends those), the parameters are allocated but
     never written, so their pages take no RAM, and each has its own storage
     (Accelerate matches an optimizer's parameters to the sharded ones by address)."""
+    import torch
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
@@ -60,6 +62,8 @@ def upcast_trainable(model: torch.nn.Module, written: bool) -> None:
     every rank builds the same layout. Where the parameters were never written
     (`placeholder_model`) they get new unwritten fp32 tensors: upcasting them
     would write a whole fp32 model on every rank."""
+    import torch
+
     for param in model.parameters():  # tied parameters once
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.to(torch.float32) if written else torch.empty(param.shape, dtype=torch.float32)
@@ -96,6 +100,7 @@ def check_model_files(model_dir: Path, what: str) -> None:
     otherwise end in its traceback)."""
     import pickle
 
+    import torch
     from safetensors import SafetensorError, safe_open
 
     from finetune.safetensors_index import missing_weight_files
@@ -175,8 +180,11 @@ def load_config(name_or_path: str, trust_remote_code: bool, presets: str, option
 
 
 def load_pretrained(name_or_path: str, auto_class, config: PretrainedConfig, trust_remote_code: bool,
-                    presets: str, dtype: torch.dtype = torch.float32, option: str = "--model") -> PreTrainedModel:
-    """`auto_class.from_pretrained` in `dtype`, with errors that say what to do."""
+                    presets: str, dtype: torch.dtype | None = None, option: str = "--model") -> PreTrainedModel:
+    """`auto_class.from_pretrained` in `dtype` (float32 when None), with errors that say what to do."""
+    import torch
+
+    dtype = dtype or torch.float32
     try:
         return auto_class.from_pretrained(name_or_path, config=config, trust_remote_code=trust_remote_code,
                                           dtype=dtype)

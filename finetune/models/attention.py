@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
-from finetune.config import ATTN_WITHOUT_MASK as WITHOUT_MASK
 from finetune.errors import UsageError
+
+# transformers' names; auto picks the fastest the device and model have
+IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "flash_attention_2")
+WITHOUT_MASK = ("flex_attention", "flash_attention_2")  # packed examples kept apart by position ids alone
 
 
 def candidates(requested: str, rows_hold_examples: bool) -> tuple[str, ...]:
@@ -24,6 +25,8 @@ def candidates(requested: str, rows_hold_examples: bool) -> tuple[str, ...]:
     attention, which need no mask. Plain text blocks (one causal sequence a
     row) take sdpa's own causal kernels, and so does a CPU (no flex-attention
     backward there)."""
+    import torch
+
     if requested != "auto":
         return (requested,)
     if not torch.cuda.is_available() or not rows_hold_examples:

@@ -10,7 +10,9 @@ Each completion token then has the clipped policy-gradient loss
     kl_t = exp(ref - logp) - (ref - logp) - 1       (the k3 estimator)
 
 where logp_old is the sampling policy's (equal to logp, detached, when each
-batch of samples trains one step: r = 1). The loss types differ only in how
+batch of samples trains one step: r = 1). GSPO (`level="sequence"`) takes for
+every token of a completion the ratio of the sequence, exp of the mean of its
+tokens' log-ratios. The loss types differ only in how
 the token losses are averaged; `reduced` returns the sum and the count the
 training loop divides it by over the whole global batch:
 
@@ -74,11 +76,16 @@ class TokenLosses:
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                  epsilon_low: float, epsilon_high: float, beta: float = 0.0,
-                 reference_logps: torch.Tensor | None = None) -> TokenLosses:
+                 reference_logps: torch.Tensor | None = None, level: str = "token") -> TokenLosses:
     """`logps`, `old_logps`, `reference_logps`: [B, T] log-probs of the
-    completion tokens (anything where `mask` is False); `advantages`: [B]."""
+    completion tokens (anything where `mask` is False); `advantages`: [B].
+    `level` sequence (GSPO): every token of a completion has the ratio
+    exp(mean of its tokens' log-ratios), clipped as one."""
     old_logps = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1).expand_as(logps)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     advantage = advantages.unsqueeze(1)
     losses = -torch.min(ratio * advantage, clipped * advantage)

@@ -15,6 +15,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from finetune import models
 from finetune.backends.base import Backend, shard_report
 from finetune.errors import UsageError
+from finetune.objectives import REGISTRY as OBJECTIVES
+from finetune.objectives.base import Objective
 
 
 def without_dropout(model: torch.nn.Module) -> None:
@@ -27,27 +29,31 @@ def without_dropout(model: torch.nn.Module) -> None:
 
 
 class WithReference:
-    """Mixed into a causal-LM Task whose objective may need a reference
-    (`needs_reference`)."""
+    """Mixed into a causal-LM Task that trains an objective of its own, which
+    may compare with a reference (`Objective.holds_reference`)."""
     reference: torch.nn.Module | None = None  # a frozen copy (full fine-tuning)
     reference_params_per_rank: list[int] = []
     accelerator: Accelerator | None = None
 
     @property
+    def objective(self) -> Objective:
+        return OBJECTIVES[self.cfg.objective]
+
+    @property
     def needs_reference(self) -> bool:
-        raise NotImplementedError
+        return self.objective.holds_reference(self.cfg)
 
     def frozen_reference(self) -> str | None:
         """With every parameter trained, the frozen copy is of --reference_model
         or --model (under adapters: the base, adapters off)."""
-        if self.needs_reference and not self.method.saves_adapters:
+        if self.needs_reference and not self.peft.saves_adapters:
             return self.cfg.reference_model or self.cfg.model
         return None
 
     def check_reference_fits(self, backend: Backend) -> None:
         if self.frozen_reference() is not None and backend.frozen_model_refusal:
-            raise UsageError(f"--method {self.cfg.method} with every parameter trained needs a frozen reference "
-                             f"model: {backend.frozen_model_refusal}, or {self.method.without_a_reference_copy}")
+            raise UsageError(f"--method {self.cfg.objective} with every parameter trained needs a frozen reference "
+                             f"model: {backend.frozen_model_refusal}, or {self.peft.without_a_reference_copy}")
 
     def reference_model(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> PreTrainedModel:
         """--reference_model, or the weights the run starts from (a preset's are
@@ -76,7 +82,7 @@ class WithReference:
         with torch.no_grad():
             if self.reference is None:  # the base under the adapters
                 inner = getattr(model, "module", model)  # DDP's wrapper runs no forward without gradients
-                with self.method.adapters_off(inner):
+                with self.peft.adapters_off(inner):
                     return score(inner)
             with self.accelerator.autocast() if self.accelerator else nullcontext():
                 return score(self.reference)
@@ -86,7 +92,7 @@ class WithReference:
         if not self.needs_reference:
             reference = None
         else:
-            reference = ("the base, adapters off" if self.method.saves_adapters
+            reference = ("the base, adapters off" if self.peft.saves_adapters
                          else self.cfg.reference_model or self.cfg.model)
             if precomputed:
                 reference = f"log-probs precomputed by {reference}, {precomputed}"

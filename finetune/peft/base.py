@@ -1,4 +1,4 @@
-"""What every fine-tuning method answers (`--peft none | lora | qlora`), with
+"""What every PEFT method answers (`--peft none | lora | qlora`), with
 the answers of a full fine-tune: every parameter trains and the model is
 saved whole. A parameter-efficient method (finetune/peft/lora.py) overrides
 what it does differently; the task, the loop, the checkpoints, the final
@@ -61,7 +61,7 @@ class FullFineTune:
         the frozen reference is a copy of the model, not this one."""
         return nullcontext()
 
-    def added_by_method(self, name: str) -> bool:
+    def added_by_peft(self, name: str) -> bool:
         """Whether a parameter is not the base's but this method's (not in the pretrained files)."""
         return False
 

@@ -370,7 +370,7 @@ class LoRA(FullFineTune):
         """The base's forward, the adapters kept."""
         return adapters_disabled(model)
 
-    def added_by_method(self, name: str) -> bool:
+    def added_by_peft(self, name: str) -> bool:
         return ".lora_" in name or name.startswith("lora_")
 
     # --- checkpoints ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ finetune/tasks/__init__.py.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -20,7 +21,7 @@ from finetune.backends.base import Backend
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.objectives import REGISTRY as OBJECTIVES
-from finetune.peft import method_for
+from finetune.peft import peft_for
 from finetune.signals import NoSignal, zero_gradient
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 
@@ -75,7 +76,7 @@ class Task:
         self.cfg = cfg
         self.model_source = cfg.model  # where --model is read from (a GGUF file's converted dir)
         self._metric: "evaluate.EvaluationModule | None" = None
-        self.method = method_for(cfg)  # --peft: what trains, and how the model is saved
+        self.peft = peft_for(cfg)  # --peft: what trains, and how the model is saved
         self.own_shards: "OwnShards | None" = None  # set when each rank reads its shards after `prepare`
 
     @property
@@ -161,5 +162,6 @@ class Task:
 
 def build_task(cfg: TrainConfig) -> Task:
     """The task, trained with its own loss or with the objective's (finetune/objectives)."""
-    objective = OBJECTIVES[cfg.method]
-    return (objective.load_class() if objective.task_class else REGISTRY[cfg.task].load_class())(cfg)
+    task_class = OBJECTIVES[cfg.objective].task_class or REGISTRY[cfg.task].task_class
+    module, name = task_class.split(":")
+    return getattr(importlib.import_module(module), name)(cfg)

@@ -23,7 +23,8 @@ from finetune.data.text import LoadedSources, load_raw_data, load_sources, token
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
 from finetune.backends.base import Backend
 from finetune.collectives import broadcast_from_main, check_same_layout, main_process_first
-from finetune.config import FORMAT_WORDS
+from finetune.data.formats import FORMATS, SFT_FORMATS
+from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.errors import UsageError
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
@@ -125,7 +126,7 @@ class CausalLM(Task):
         # With fsdp_cpu_ram_efficient_loading only the main process reads the
         # weights; the others build the architecture and receive their shards in `prepare`.
         from_main = backend.weights_from_main_process(accelerator)
-        if self.method.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
+        if self.peft.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
             backend.leave_loading_to_the_ranks(accelerator)
             from_main = False
         # Packed or padded rows hold several sequences, which the attention must keep apart.
@@ -135,7 +136,7 @@ class CausalLM(Task):
             if accelerator.mixed_precision != "no":
                 models.upcast_trainable(model, written=accelerator.is_main_process and self.own_shards is None)
             check_same_layout(accelerator, model)
-            self.method.base_record = broadcast_from_main(self.method.base_record)  # a preset's fingerprint needs its weights
+            self.peft.base_record = broadcast_from_main(self.peft.base_record)  # a preset's fingerprint needs its weights
             if self.own_shards is not None:
                 backend.leave_loading_to_the_ranks(accelerator)
         if mixed:
@@ -201,17 +202,16 @@ class CausalLM(Task):
         raw, data_format = load_raw_data(cfg.dataset, data_format or cfg.data_format, cfg.text_column,
                                          cfg.validation_split, cfg.seed, config=cfg.dataset_config,
                                          split=cfg.dataset_split, eval_split=cfg.eval_split,
-                                         sample_by=cfg.text_sample_by)
-        if scoring and data_format in FORMAT_WORDS:
+                                         sample_by=cfg.text_sample_by, objective=cfg.objective)
+        kind = FORMATS.get(data_format)
+        if scoring and kind and not kind.sft:
             raise UsageError(f"finetune evaluate scores perplexity on text, and --dataset {cfg.dataset} holds "
-                             f"{FORMAT_WORDS[data_format]}, which have none to score; pass text, chat or "
-                             "prompt/completion data")
-        if data_format == "preference" and cfg.method == "sft":
-            raise UsageError(f"--dataset {cfg.dataset} holds preference pairs (chosen/rejected), which --method sft "
-                             "does not train on; pass --method dpo (or simpo)")
-        if data_format == "prompt" and cfg.method == "sft":
-            raise UsageError(f"--dataset {cfg.dataset} holds prompts without answers, which --method sft has nothing "
-                             "to learn from; pass --method grpo with --reward_funcs, or add completion/answer text")
+                             f"{kind.words}, which have none to score; pass text, chat or prompt/completion data")
+        if kind and not kind.sft and OBJECTIVES[cfg.objective].data_format != data_format:
+            owners = [name for name, objective in OBJECTIVES.items() if objective.data_format == data_format]
+            raise UsageError(f"--dataset {cfg.dataset} holds {kind.words}, which --method {cfg.objective} does not "
+                             f"train on; pass --method {' or '.join(owners)}, or give it the columns of "
+                             f"{', '.join(SFT_FORMATS)} data")
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
@@ -264,7 +264,7 @@ class CausalLM(Task):
         self.attention = attention.use_attention(model, cfg.attn_implementation, self.rows_hold_examples)
         if cfg.use_liger_kernel:
             attention.use_liger_kernels(model)
-        return tokenizer, self.method.wrap(model, self.model_source, accelerator,
+        return tokenizer, self.peft.wrap(model, self.model_source, accelerator,
                                            record_base=accelerator.is_main_process or not from_main)
 
     def base_model(self, tokenizer: PreTrainedTokenizerBase | None, weights_here: bool = True) -> PreTrainedModel:

@@ -19,10 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import check_ok, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
 from e2e.test_errors import snapshot
+from finetune.config import TrainConfig
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder, split_pair
 from finetune.errors import UsageError
-from finetune.objectives.preference_loss import DPOLoss, PairLogps, SimPOLoss
+from finetune.objectives import REGISTRY as OBJECTIVES
+from finetune.objectives.preference_loss import PairLogps
 from sft_models import save_chat_model, write_jsonl
 
 GOOD = "reads returns sorted writes changes".split()   # the preferred answers use these words
@@ -109,6 +111,10 @@ def test_pairs_are_labelled_on_the_completion_only_and_stacked_chosen_first(mode
                        torch.tensor(encoded["rejected_input_ids"]))
 
 
+def pair_losses(objective: str, policy: PairLogps, reference: PairLogps | None, **options):
+    return OBJECTIVES[objective].pair_losses(TrainConfig(objective=objective, **options), policy, reference)
+
+
 def test_losses_follow_their_formulas():
     policy = PairLogps(torch.tensor([-10.0, -4.0]), torch.tensor([-12.0, -3.0]), torch.tensor([5, 2]),
                        torch.tensor([4, 3]))
@@ -116,16 +122,16 @@ def test_losses_follow_their_formulas():
                           policy.rejected_tokens)
     beta = 0.5
     logits = torch.tensor([(-10 + 12) - (-11 + 11), (-4 + 3) - (-4.5 + 4)])  # 2, -0.5
-    sigmoid = DPOLoss(beta, "sigmoid")(policy, reference)
+    sigmoid = pair_losses("dpo", policy, reference, dpo_beta=beta, dpo_loss="sigmoid")
     torch.testing.assert_close(sigmoid.losses, torch.log1p(torch.exp(-beta * logits)))
     torch.testing.assert_close(sigmoid.metrics["rewards/chosen"], beta * torch.tensor([1.0, 0.5]))
     torch.testing.assert_close(sigmoid.metrics["rewards/accuracies"], (logits > 0).float())
-    hinge = DPOLoss(beta, "hinge")(policy, reference)
+    hinge = pair_losses("dpo", policy, reference, dpo_beta=beta, dpo_loss="hinge")
     torch.testing.assert_close(hinge.losses, torch.clamp(1 - beta * logits, min=0))
-    ipo = DPOLoss(beta, "ipo")(policy, reference)
+    ipo = pair_losses("dpo", policy, reference, dpo_beta=beta, dpo_loss="ipo")
     per_token = torch.tensor([(-10 / 5 + 12 / 4) - (-11 / 5 + 11 / 4), (-4 / 2 + 3 / 3) - (-4.5 / 2 + 4 / 3)])
     torch.testing.assert_close(ipo.losses, (per_token - 1 / (2 * beta)) ** 2)
-    simpo = SimPOLoss(2.0, 0.5)(policy, None)
+    simpo = pair_losses("simpo", policy, None, dpo_beta=2.0, simpo_gamma=0.5)
     margin = torch.tensor([-10 / 5 + 12 / 4, -4 / 2 + 3 / 3])
     torch.testing.assert_close(simpo.losses, torch.log1p(torch.exp(-(2.0 * margin - 0.5))))
     torch.testing.assert_close(simpo.metrics["rewards/rejected"], 2.0 * torch.tensor([-3.0, -1.0]))
@@ -263,7 +269,7 @@ def test_the_reference_is_sharded_or_is_the_base_without_adapters(learnt):
     from finetune.memory import estimate, model_shape
 
     planned = {e.strategy: e for e in estimate(model_shape(full["model"]), 2, 4, 64, mixed_precision="no",
-                                               pairs=True, reference_copy=True)}
+                                               sequences_per_row=2, reference_copy=True)}
     assert planned["FSDP full shard"].reference == 4 * max(full["reference_params_per_rank"])
     assert planned["DDP"].reference == planned["DeepSpeed ZeRO-2"].reference == 4 * total
     assert planned["DeepSpeed ZeRO-3"].reference == planned["FSDP full shard"].reference
@@ -406,7 +412,7 @@ def json_args(learnt: dict, name: str) -> list[str]:
     import yaml
 
     config = yaml.safe_load((learnt[name] / "run_config.yaml").read_text())
-    keep = ("model", "method", "peft", "dataset", "block_size", "per_device_batch_size", "learning_rate",
+    keep = ("model", "objective", "peft", "dataset", "block_size", "per_device_batch_size", "learning_rate",
             "lr_scheduler_type", "warmup_steps", "sample_prompt", "log_format")
     return [str(part) for key in keep if key in config for part in (f"--{key}", config[key])]
 

@@ -113,6 +113,6 @@ def test_a_refused_resume_change_names_the_runs_own_value_to_pass():
     of the user's must be named again): the fix is the run's own value."""
     from finetune.config import resume_changes
 
-    saved = {**TrainConfig(method="grpo", reward_funcs=["/runs/r.py:score"]).to_dict(), "seed": 7}
-    with pytest.raises(UsageError, match=r"resume with the run's own \(--reward_funcs /runs/r.py:score --seed 7\)"):
-        resume_changes(saved, TrainConfig(method="grpo", reward_funcs=["/elsewhere/r.py:score"]))
+    saved = {**TrainConfig(objective="grpo", reward_funcs=["/runs/r.py:score"]).to_dict(), "seed": 7}
+    with pytest.raises(UsageError, match=r"resume with the run's own \(--seed 7 --reward_funcs /runs/r.py:score\)"):
+        resume_changes(saved, TrainConfig(objective="grpo", reward_funcs=["/elsewhere/r.py:score"]))

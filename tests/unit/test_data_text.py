@@ -85,12 +85,12 @@ def test_each_objective_names_its_own_format_when_the_columns_are_missing(tmp_pa
     """GRPO's prompts and DPO's pairs, read from data with other columns: the
     error names the objective's format and columns, never SFT's --text_column."""
     (tmp_path / "qa.jsonl").write_text('{"question": "q", "answer": "a"}\n' * 4)
-    for data_format, says in (("prompt", r"--method grpo trains on prompts alone .* no column\(s\) prompt "
-                                         r"\(columns: question, answer\); give each row \{\"prompt\""),
-                              ("preference", r"--method dpo/simpo trains on preference pairs .* no column\(s\) "
-                                             r"chosen, rejected")):
+    for objective, data_format, says in (
+            ("grpo", "prompt", r"--method grpo trains on prompts alone .* no column\(s\) prompt "
+                               r"\(columns: question, answer\); give each row \{\"prompt\""),
+            ("dpo", "preference", r"--method dpo trains on preference pairs .* no column\(s\) chosen, rejected")):
         with pytest.raises(UsageError, match=says) as caught:
-            load_raw_data(str(tmp_path / "qa.jsonl"), data_format, "text", 0.25, 0)
+            load_raw_data(str(tmp_path / "qa.jsonl"), data_format, "text", 0.25, 0, objective=objective)
         assert "--text_column" not in str(caught.value)
 
 

@@ -105,9 +105,9 @@ def test_qlora_refuses_fused_experts_in_one_line():
     from finetune.config import TrainConfig
     from finetune.peft.qlora import QLoRA
 
-    method = QLoRA(TrainConfig(peft="qlora"))
+    qlora = QLoRA(TrainConfig(peft="qlora"))
     with pytest.raises(UsageError, match="fused experts.*--peft lora.*--lora_target_modules"):
-        method.adapt_base(tiny("mixtral"))
+        qlora.adapt_base(tiny("mixtral"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

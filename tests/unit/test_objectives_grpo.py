@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
-from finetune.objectives.grpo import GRPOLM
+from finetune.objectives.rollouts import RolloutLM
 from tests.sft_models import chat_tokenizer, conversations
 
 GROUPS = 4
@@ -48,16 +48,16 @@ def moved(model, scale: float, seed: int):
     return other
 
 
-def grpo_task(tokenizer, **options) -> GRPOLM:
-    cfg = TrainConfig(method="grpo", reward_funcs=["exact_match", "length_penalty"], reward_weights=[1.0, 0.5],
+def grpo_task(tokenizer, **options) -> RolloutLM:
+    cfg = TrainConfig(objective="grpo", reward_funcs=["exact_match", "length_penalty"], reward_weights=[1.0, 0.5],
                       num_generations=GROUPS, per_device_batch_size=2 * GROUPS,
                       max_completion_length=COMPLETION_LENGTH, block_size=64, **options)
-    task = GRPOLM(cfg)
+    task = RolloutLM(cfg)
     task.tokenizer, task.accelerator = tokenizer, SimpleNamespace(device=torch.device("cpu"))
     return task
 
 
-def fixed_rollout(task: GRPOLM, tokenizer, seed: int):
+def fixed_rollout(task: RolloutLM, tokenizer, seed: int):
     """Two prompts (of different lengths, left-padded as the collator pads
     them) and GROUPS completions each: some end early, some run to the limit;
     one of each group says the answer."""
@@ -229,7 +229,7 @@ def test_a_sample_of_completions_goes_to_completions_jsonl_and_the_trackers_with
 
 def _resuming(tmp_path, rollout: dict, num_iterations: int = 2):
     """RolloutBatches of a one-rank run with 3 prompt rows and a 10-token vocabulary, resuming `rollout`."""
-    from finetune.objectives.grpo import RolloutBatches
+    from finetune.objectives.rollouts import RolloutBatches
 
     task = SimpleNamespace(
         cfg=SimpleNamespace(num_iterations=num_iterations, beta=0.0), rows=[{"prompt": "p"}] * 3, run_dir=tmp_path,

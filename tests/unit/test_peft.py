@@ -82,22 +82,22 @@ def test_each_method_runs_the_model_without_what_it_added():
     reference model will be), the adapters back afterwards; a full fine-tune
     added nothing to switch off."""
     pytest.importorskip("peft")
-    from finetune.peft import method_for
+    from finetune.peft import peft_for
 
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)).eval()
     tokens = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         base_logits = base(tokens).logits.clone()
-    method = method_for(TrainConfig(peft="lora", lora_r=4))
-    model = method.wrap(base, source="in-memory", accelerator=None, record_base=False).eval()  # no dropout
+    lora = peft_for(TrainConfig(peft="lora", lora_r=4))
+    model = lora.wrap(base, source="in-memory", accelerator=None, record_base=False).eval()  # no dropout
     for name, p in model.named_parameters():
         if ".lora_B." in name:
             torch.nn.init.normal_(p)  # peft starts B at zero: the adapters would change nothing yet
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         adapted = model(tokens).logits.clone()
-        with method.adapters_off(model):
+        with lora.adapters_off(model):
             off = model(tokens).logits.clone()
             # Still trainable while off: FSDP2 under bf16 fixes a parameter's gradient dtype at its
             # first forward, and a first forward with them frozen had the first backward refuse them.
@@ -107,7 +107,7 @@ def test_each_method_runs_the_model_without_what_it_added():
     torch.testing.assert_close(off, base_logits, rtol=0, atol=1e-6)
     torch.testing.assert_close(again, adapted, rtol=0, atol=0)
 
-    full = method_for(TrainConfig())
+    full = peft_for(TrainConfig())
     assert full.wrap(base, source="in-memory", accelerator=None, record_base=False) is base
     with full.adapters_off(base):
         pass

@@ -45,8 +45,8 @@ def test_each_objective_names_its_own_checks():
         return [c.metric for c in build_task(TrainConfig(**kw)).no_signal_checks()]
 
     assert metrics(model="tiny-gpt2") == ["grad_norm"]
-    assert metrics(model="tiny-gpt2", method="dpo") == ["grad_norm", "rewards/accuracies"]
-    assert metrics(model="tiny-gpt2", method="grpo", reward_funcs=["format"]) == ["grad_norm", "frac_reward_zero_std"]
+    assert metrics(model="tiny-gpt2", objective="dpo") == ["grad_norm", "rewards/accuracies"]
+    assert metrics(model="tiny-gpt2", objective="grpo", reward_funcs=["format"]) == ["grad_norm", "frac_reward_zero_std"]
 
 
 def test_a_step_line_holds_what_fits_the_width_and_counts_the_rest(monkeypatch):

@@ -57,7 +57,7 @@ def make_run(run_dir: Path) -> Run:
     train_batches = EpochBatches(None, accelerator, global_batch=4)  # steps are made up here: no data is read
     checkpoints = CheckpointManager(accelerator, model, run_dir, every=cfg.checkpoint_every, every_epochs=0,
                                     keep_last=0, config_yaml="task: image-classification\n", tokenizer=None,
-                                    method=task.method, data=[train_batches])
+                                    peft=task.peft, data=[train_batches])
     params = sum(p.numel() for p in model.parameters())
     run = Run(cfg=cfg, accelerator=accelerator, backend=OneProcess(), task=task, data=TaskData([], [], None, "none"), model=model,
               optimizer=optimizer, schedule=LRSchedule.for_config(scheduler, optimizer, cfg), train_batches=train_batches,

@@ -1,6 +1,7 @@
-"""Preference tuning of a causal LM (--method dpo or simpo): the causal-LM
-task's model and tokenizer, preference pairs for data (data/preference.py),
-and a loss on each pair's completion log-probs (preference_loss.py).
+"""Preference tuning of a causal LM on pairs (dpo.py, simpo.py, ...: the
+objectives of base.py's PairObjective): the causal-LM task's model and
+tokenizer, preference pairs for data (data/preference.py), and the
+objective's loss on each pair's completion log-probs (preference_loss.py).
 
 Chosen and rejected go through one forward, stacked. The reference DPO
 compares with is reference.py's. Dropout is off, as in TRL: at step 1 the
@@ -28,7 +29,7 @@ from finetune.data.builtin import cache_root
 from finetune.data.chat import load_chat_template, pad_id
 from finetune.data.preference import PairCollator, build_pair_splits
 from finetune.errors import UsageError
-from finetune.objectives.preference_loss import METRICS, PairLogps, PairLosses, preference_loss
+from finetune.objectives.preference_loss import PairLogps, PairLosses
 from finetune.report import plain_logs
 from finetune.signals import NoSignal
 from finetune.objectives.reference import WithReference, without_dropout
@@ -40,12 +41,11 @@ from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
 class PreferenceLM(WithReference, CausalLM):
     metric_name = "eval_rewards/accuracies"
     batch_size_options = "--per_device_batch_size"
-    step_metrics = METRICS
     watches_routers = False  # its own loss; expert load and the load-balancing loss are SFT's
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.objective = preference_loss(cfg)
+        self.step_metrics = self.objective.metrics  # logged with each step, as means over its pairs
         self.splits: list = []                                  # the pair splits, numbered across (`pair`)
         self.reference_table: torch.Tensor | None = None        # [pairs, 2] precomputed reference log-probs
         self.cached_table: Path | None = None                    # where they are cached
@@ -60,10 +60,6 @@ class PreferenceLM(WithReference, CausalLM):
 
     def targets(self, batch: dict) -> int:
         return len(batch["input_ids"]) // 2  # pairs
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.objective.needs_reference
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         copy_needed = self.frozen_reference() is not None
@@ -100,7 +96,7 @@ class PreferenceLM(WithReference, CausalLM):
         # The embedded default has a set of pairs; other data must turn out to be pairs.
         raw, found = super()._raw_data("preference")  # its own format, whatever the columns: its own error
         if found != "preference":
-            raise UsageError(f"--method {cfg.method} trains on preference pairs (chosen and rejected columns), and "
+            raise UsageError(f"--method {cfg.objective} trains on preference pairs (chosen and rejected columns), and "
                              f"--dataset {cfg.dataset} holds {found} data; give it chosen/rejected (and prompt) "
                              "columns, or train on it with --method sft")
         return raw, found
@@ -139,9 +135,9 @@ class PreferenceLM(WithReference, CausalLM):
         if self.reference_table is not None:
             known = self.reference_table[batch["pair"].cpu()].to(policy.chosen)
             reference = PairLogps(known[:, 0], known[:, 1], policy.chosen_tokens, policy.rejected_tokens)
-        elif self.objective.needs_reference:
+        elif self.needs_reference:
             reference = self._reference_logps(model, batch)
-        return self.objective(policy, reference)
+        return self.objective.pair_losses(self.cfg, policy, reference)
 
     def _reference_logps(self, model, batch: dict) -> PairLogps:
         return self.with_reference(model, lambda scorer: self._pair_logps(scorer, batch))
@@ -163,18 +159,19 @@ class PreferenceLM(WithReference, CausalLM):
         the distributed sampler repeated)."""
         was_training = model.training
         model.eval()
-        sums = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+        metrics = self.step_metrics
+        sums = torch.zeros(1 + len(metrics), dtype=torch.float64)
         pairs = 0
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
             out = self._pair_losses(model, batch)
-            values = accelerator.gather_for_metrics(torch.stack([out.losses, *(out.metrics[m] for m in METRICS)], 1))
+            values = accelerator.gather_for_metrics(torch.stack([out.losses, *(out.metrics[m] for m in metrics)], 1))
             sums += values.double().sum(dim=0).cpu()
             pairs += len(values)
         model.train(was_training)
         means = (sums / max(pairs, 1)).tolist()
-        return {"eval_loss": means[0], **{f"eval_{name}": value for name, value in zip(METRICS, means[1:])}}
+        return {"eval_loss": means[0], **{f"eval_{name}": value for name, value in zip(metrics, means[1:])}}
 
 
 
@@ -250,15 +247,15 @@ def _cache_key(task: PreferenceLM, accelerator: Accelerator, model) -> str:
     from finetune.model_dir import weights_fingerprint
 
     cfg = task.cfg
-    if task.method.saves_adapters:
-        reference = task.method.base_record["fingerprint"]
+    if task.peft.saves_adapters:
+        reference = task.peft.base_record["fingerprint"]
     elif cfg.reference_model and not Path(cfg.reference_model).exists():
         reference = f"hub:{cfg.reference_model}"
     else:
         reference = weights_fingerprint(cfg.reference_model or task.model_source, model)
     # A QLoRA base scores in 4 bits (the layers it adapts) what a LoRA base of the same files, or the same
     # model fully trained, scores in full precision: those share their scores, QLoRA's are its own.
-    four_bit = cfg.lora_target_modules if task.method.four_bit_bytes_per_weight else None
+    four_bit = cfg.lora_target_modules if task.peft.four_bit_bytes_per_weight else None
     digest = hashlib.sha256(json.dumps({"reference": reference, "dtype": cfg.model_dtype, "four_bit": four_bit,
                                         "mixed_precision": accelerator.mixed_precision}).encode())
     for split in task.splits:

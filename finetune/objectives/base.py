@@ -1,0 +1,236 @@
+"""What every objective answers (`--method`), and the option sections several
+objectives read.
+
+An objective is a class in its own module (sft.py, dpo.py, ...), registered
+by one line in __init__.py. It owns its option section (a dataclass whose
+fields are its flags), the sections it shares with others, its data format,
+the Task that trains it, its loss, its learning rates, whether it holds a
+frozen reference, and what the planner counts for it. Light on purpose: the
+config and the command line read it without torch; a loss imports torch where
+it computes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from finetune.errors import UsageError
+from finetune.options import option
+
+
+@dataclass
+class PromptOptions:
+    """preference data"""
+    max_prompt_length: int = option(0, "drop (counted) the examples whose prompt has more tokens than this (0 = any "
+                                    "prompt that leaves room in --block_size)")
+
+
+@dataclass
+class BetaOptions:
+    """preference strength"""
+    dpo_beta: float = option(0.1, "TRL's `beta` of the preference objectives: dpo and kto: how far the policy may move "
+                             "from the reference; simpo: the reward scale (the SimPO paper uses 2 to 2.5); orpo: the "
+                             "odds-ratio term's weight (the paper's lambda)")
+
+
+@dataclass
+class ReferenceOptions:
+    """the frozen reference"""
+    reference_model: str = option("", "the frozen reference, a HF model dir or Hub id (empty: the starting model, "
+                                  "--model; under LoRA the base with the adapters off)")
+
+
+class Objective:
+    name: ClassVar[str]
+    summary: ClassVar[str]                       # what it learns, for --method's help
+    # "module:Class" of the causal-LM Task that trains it; None: each task's own loss (SFT).
+    task_class: ClassVar[str | None] = None
+    data_format: ClassVar[str | None] = None     # the one --data_format it trains on (None: any a task reads)
+    options: ClassVar[type | None] = None        # its own option section
+    shared: ClassVar[tuple[type, ...]] = ()      # the sections it reads with other objectives
+    # Fine-tuning learning rates that differ from SFT's, with every parameter trained and under adapters.
+    learning_rates: ClassVar[dict[str, float]] = {}
+    defaults: ClassVar[dict[str, Any]] = {}      # option values that differ for it (TRL's defaults)
+    # What the planner counts: the sequences one data row puts through a forward, and
+    # whether it samples completions (a KV cache in place of the training activations).
+    sequences_per_row: ClassVar[int] = 1
+    samples: ClassVar[bool] = False
+    task_only: ClassVar[str | None] = "causal-lm"  # the --task it trains (None: every task)
+
+    @classmethod
+    def sections(cls) -> tuple[type, ...]:
+        """Every option section it reads."""
+        return (*cls.shared, *((cls.options,) if cls.options else ()))
+
+    def check(self, cfg) -> None:
+        """Its options' values, in one-line errors, before anything loads."""
+
+    def holds_reference(self, cfg) -> bool:
+        """Whether it compares the policy with a frozen reference."""
+        return False
+
+
+def positive(cfg, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"--{name} must be a positive number, got {value}; pass e.g. "
+                             f"{getattr(type(cfg), name, 1)}")
+
+
+def no_reference_model_under_adapters(cfg) -> None:
+    if cfg.reference_model and cfg.peft != "none":
+        raise UsageError(f"with --peft {cfg.peft} the reference is the base with the adapters off, so there is "
+                         "no --reference_model to load; drop it, or train every parameter (--peft none)")
+
+
+class PairObjective(Objective):
+    """Preference pairs (prompt, chosen, rejected) through one forward, the
+    chosen and rejected rows stacked (pairs.py), and a loss on each pair's
+    completion log-probs (`pair_losses`)."""
+    task_class = "finetune.objectives.pairs:PreferenceLM"
+    data_format = "preference"
+    shared = (PromptOptions, BetaOptions)
+    # Preference tuning moves a model much less than SFT: TRL's DPOConfig
+    # default for full fine-tuning, and the rate of its LoRA example.
+    learning_rates = {"full": 1e-6, "lora": 5e-6}
+    sequences_per_row = 2
+    metrics: ClassVar[tuple[str, ...]] = ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                          "rewards/margins", "logps/chosen", "logps/rejected")  # TRL's names
+
+    def check(self, cfg) -> None:
+        positive(cfg, "dpo_beta")
+
+    def pair_losses(self, cfg, policy, reference):
+        """`policy`, `reference` (None without one): preference_loss.PairLogps;
+        a preference_loss.PairLosses, one loss a pair, and `metrics` per pair."""
+        raise NotImplementedError
+
+
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's names and formulas
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL's: per token (GRPO), or the sequence's mean (GSPO)
+
+
+@dataclass
+class RolloutOptions:
+    """online RL"""
+    reward_funcs: list[str] = option([], "the reward functions, each FILE.py:NAME or module:NAME (your code, imported "
+                                     "because this command line names it), or a built-in: exact_match (the "
+                                     "completion is the row's answer column), format (it matches --reward_pattern), "
+                                     "length_penalty", nargs="+")
+    reward_weights: list[float] = option([], "each reward function's weight in the summed reward (empty: 1 each)",
+                                         nargs="+")
+    reward_pattern: str = option(r"^\S+$", "the regular expression the built-in format reward matches the whole "
+                                 "completion (stripped) against")
+    reward_timeout: float = option(600.0, "seconds one reward function may take on one micro-batch before the run "
+                                   "stops in one line, keeping its last checkpoint (0: no limit)")
+    num_generations: int = option(8, "completions sampled per prompt (a group); --per_device_batch_size counts "
+                                  "completions and must be a multiple of it")
+    max_completion_length: int = option(64, "most tokens sampled per completion (TRL's default is 512, too long for "
+                                        "a CPU); the prompt keeps what --block_size leaves")
+    temperature: float = option(1.0, "sampling temperature")
+    top_p: float = option(1.0, "nucleus sampling's probability mass (1 = off)")
+    epsilon: float = option(0.2, "the clipping range of the probability ratio (its lower side)")
+    epsilon_high: float = option(0.0, "the upper clipping range (0 = --epsilon; DAPO uses 0.28)")
+    num_iterations: int = option(1, "optimizer steps on each batch of samples (above 1 the ratio to the sampling "
+                                 "policy moves and clipping acts)")
+    importance_sampling_level: str = option("token", "the probability ratio clipped: each token's (GRPO), or the "
+                                            "sequence's, the exp of its tokens' mean log-ratio (GSPO, as Qwen3 is "
+                                            "trained)", choices=IMPORTANCE_SAMPLING_LEVELS)
+    mask_truncated_completions: bool = option(False, "completions cut at --max_completion_length take no part in the "
+                                              "loss")
+    beta: float = option(0.0, "the KL coefficient against the reference (0 = none; the reference is DPO's: the "
+                         "starting model, or the base with the adapters off under LoRA)")
+    log_completions_every: int = option(10, "write a sample of prompts, completions and rewards to "
+                                        "RUN_DIR/completions.jsonl every N steps (0 = never)",
+                                        on_resume="applies from the next step")
+
+
+class RolloutObjective(Objective):
+    """The policy's own samples of each prompt, in groups, scored by reward
+    functions (rollouts.py); the objective says what a completion's advantage
+    is and how its tokens' losses are reduced."""
+    task_class = "finetune.objectives.rollouts:RolloutLM"
+    data_format = "prompt"
+    shared = (RolloutOptions, ReferenceOptions)
+    learning_rates = {"full": 1e-6, "lora": 1e-5}  # TRL's GRPOConfig rate; its LoRA examples use 1e-5
+    samples = True
+
+    def holds_reference(self, cfg) -> bool:
+        return cfg.beta > 0
+
+    def check(self, cfg) -> None:
+        for name in ("num_generations", "max_completion_length", "num_iterations"):
+            if getattr(cfg, name) <= 0:
+                raise UsageError(f"--{name} must be > 0, got {getattr(cfg, name)}; pass a positive value")
+        if cfg.num_generations < 2:
+            raise UsageError(f"--num_generations {cfg.num_generations}: a group needs 2 or more completions of a "
+                             "prompt to compare (its advantages are rewards against the group's others); pass e.g. 8")
+        if cfg.per_device_batch_size % cfg.num_generations:
+            fitting = cfg.num_generations * max(1, cfg.per_device_batch_size // cfg.num_generations)
+            raise UsageError(f"--per_device_batch_size {cfg.per_device_batch_size} (completions per micro-batch) is "
+                             f"not a multiple of --num_generations {cfg.num_generations}; each micro-batch holds whole "
+                             f"groups: pass --per_device_batch_size {fitting} or change --num_generations")
+        if cfg.max_completion_length >= cfg.block_size:
+            raise UsageError(f"--max_completion_length {cfg.max_completion_length} leaves no room for a prompt in "
+                             f"--block_size {cfg.block_size}; raise --block_size or lower --max_completion_length")
+        positive(cfg, "temperature")
+        if not 0.0 < cfg.top_p <= 1.0:
+            raise UsageError(f"--top_p must be in (0, 1], got {cfg.top_p}; pass e.g. 1.0")
+        if not (0.0 <= cfg.epsilon < 1.0):
+            raise UsageError(f"--epsilon must be in [0, 1), got {cfg.epsilon}; pass e.g. 0.2")
+        if cfg.epsilon_high and not (cfg.epsilon_high > 0 and math.isfinite(cfg.epsilon_high)):
+            raise UsageError(f"--epsilon_high must be a positive number (0: the same as --epsilon), got "
+                             f"{cfg.epsilon_high}; pass e.g. 0.28")
+        if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):
+            raise UsageError(f"--beta (the KL coefficient) must be >= 0, got {cfg.beta}; pass 0 (no KL) or e.g. 0.04")
+        if not (cfg.reward_timeout >= 0 and math.isfinite(cfg.reward_timeout)):
+            raise UsageError(f"--reward_timeout must be >= 0 seconds (0: no limit), got {cfg.reward_timeout}; pass "
+                             "e.g. 600")
+        if cfg.reward_timeout and cfg.reward_timeout >= cfg.ddp_timeout:
+            raise UsageError(f"--reward_timeout {cfg.reward_timeout:g} is not below --ddp_timeout {cfg.ddp_timeout}: "
+                             "the other ranks would give up on a slow reward first, without naming it; lower "
+                             "--reward_timeout or raise --ddp_timeout")
+        if cfg.beta == 0 and cfg.reference_model:
+            raise UsageError(f"--reference_model {cfg.reference_model} is read only for the KL term, and --beta is 0 "
+                             "(no KL term); pass --beta > 0 (e.g. 0.04), or drop --reference_model")
+        if not cfg.reward_funcs:
+            raise UsageError(f"--method {cfg.objective} needs --reward_funcs: a FILE.py:NAME or module:NAME of yours, "
+                             "or a built-in (exact_match, format, length_penalty); see docs/grpo.md")
+        if "format" in cfg.reward_funcs:
+            try:
+                re.compile(cfg.reward_pattern)
+            except re.error as e:
+                raise UsageError(f"--reward_pattern {cfg.reward_pattern!r} is not a regular expression ({e}); fix it "
+                                 "(the built-in format reward matches it against each whole completion)") from None
+        if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_funcs):
+            raise UsageError(f"--reward_weights has {len(cfg.reward_weights)} weight(s) for {len(cfg.reward_funcs)} "
+                             "--reward_funcs; give one weight per function, in the same order")
+        if not all(math.isfinite(w) for w in cfg.reward_weights):
+            raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
+        no_reference_model_under_adapters(cfg)
+
+    # --- the arithmetic rollouts.py asks for (torch tensors) --------------------------------------
+
+    def advantages(self, cfg, per_function, weights):
+        """`per_function`: [N, F] rewards (NaN where a function returned None),
+        N completions in groups of num_generations consecutive rows; `weights`
+        [F]. A grpo_loss.Advantages."""
+        raise NotImplementedError
+
+    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps):
+        """[B, T] log-probs of the completion tokens under the policy, as it
+        sampled (None: the same, detached) and under the reference (None
+        without one); [B] advantages. A grpo_loss.TokenLosses."""
+        raise NotImplementedError
+
+    def loss_count(self, cfg, mask) -> float:
+        """What a micro-batch's summed loss is divided by over the global batch, known before its forward."""
+        raise NotImplementedError
+
+    def reduced(self, cfg, losses, mask):
+        """(sum, count) of a micro-batch's [B, T] token losses."""
+        raise NotImplementedError
