@@ -597,17 +597,22 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
                          f"the command line names them: pass --reward_funcs {' '.join(values['reward_funcs'])}")
     overrides = {ALIASES.get(key, key): value for key, value in overrides.items()}
     values.update(overrides)
-    # Asked for on the command line (a run config file records every option, those of other
-    # objectives and PEFT methods included): an option the run's objective or PEFT method does not read.
+    # An option the run's objective or PEFT method does not read: refused when the command line
+    # gives it, or a file sets it to other than its default (a run config records every option).
     objective = values.get("objective", TrainConfig.objective)
     peft = values.get("peft", TrainConfig.peft)
+    defaults = TrainConfig()
     for chosen, option_name, readers, fallback in ((peft, "peft", PEFT_READERS, "lora"),
                                                    (objective, "method", OBJECTIVE_READERS, None)):
-        if given := [name for name, users in readers.items() if name in overrides and chosen not in users]:
-            users = readers[given[0]]
+        unread = [name for name, users in readers.items() if chosen not in users and (
+            name in overrides or (name in values and coerce(name, values[name]) != getattr(defaults, name)))]
+        if unread:
+            users = readers[unread[0]]
             add = fallback if fallback in users else users[0]
-            raise UsageError(f"--{given[0]} applies to --{option_name} {' or '.join(users)} and this run is "
-                             f"--{option_name} {chosen}; add --{option_name} {add}, or drop --{given[0]}")
+            given = f"--{unread[0]}" if unread[0] in overrides else f"{path} sets {unread[0]}, which"
+            raise UsageError(f"{given} is read by --{option_name} {' or '.join(users)}, not by --{option_name} "
+                             f"{chosen}; drop {'it' if unread[0] not in overrides else given}, or pass "
+                             f"--{option_name} {add}")
     if "lora_dropout" in overrides and coerce("lora_dropout", overrides["lora_dropout"]) and \
             (in_place := names_adapted_in_place(str(values.get("lora_target_modules", "")))):
         raise UsageError(f"--lora_dropout applies to linear layers, and --lora_target_modules names {in_place} (fused "

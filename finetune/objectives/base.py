@@ -98,6 +98,7 @@ class PairObjective(Objective):
     # default for full fine-tuning, and the rate of its LoRA example.
     learning_rates = {"full": 1e-6, "lora": 5e-6}
     sequences_per_row = 2
+    reads_chosen_sequence: ClassVar[bool] = False  # its loss reads the NLL of each whole chosen sequence
     metrics: ClassVar[tuple[str, ...]] = ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
                                           "rewards/margins", "logps/chosen", "logps/rejected")  # TRL's names
 

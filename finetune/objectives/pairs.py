@@ -140,18 +140,24 @@ class PreferenceLM(WithReference, CausalLM):
         return self.objective.pair_losses(self.cfg, policy, reference)
 
     def _reference_logps(self, model, batch: dict) -> PairLogps:
-        return self.with_reference(model, lambda scorer: self._pair_logps(scorer, batch))
+        return self.with_reference(model, lambda scorer: self._pair_logps(scorer, batch, sequence_nll=False))
 
-    @staticmethod
-    def _pair_logps(model, batch: dict) -> PairLogps:
+    def _pair_logps(self, model, batch: dict, sequence_nll: bool = True) -> PairLogps:
         """Summed log-probs of the completions (the labelled tokens) of the
-        batch's chosen rows (its first half) and rejected rows. From the full
-        logits: the chunked loss gives no per-row gradient."""
+        batch's chosen rows (its first half) and rejected rows, and where the
+        objective reads it the NLL of each whole chosen sequence, prompt
+        included. From the full logits: the chunked loss gives no per-row gradient."""
+        logits = model(**model_inputs(model, batch)).logits
         targets = next_token_targets(batch["labels"])
-        logps = -full_logits_nll(model(**model_inputs(model, batch)).logits, targets).sum(dim=-1)
+        logps = -full_logits_nll(logits, targets).sum(dim=-1)
         counts = (targets != IGNORE).sum(dim=-1)
         pairs = len(logps) // 2
-        return PairLogps(logps[:pairs], logps[pairs:], counts[:pairs], counts[pairs:])
+        out = PairLogps(logps[:pairs], logps[pairs:], counts[:pairs], counts[pairs:])
+        if sequence_nll and self.objective.reads_chosen_sequence:
+            whole = next_token_targets(batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE))[:pairs]
+            out.chosen_sequence_nll = full_logits_nll(logits[:pairs], whole).sum(dim=-1)
+            out.chosen_sequence_tokens = (whole != IGNORE).sum(dim=-1)
+        return out
 
     @torch.no_grad()
     def evaluate(self, model, loader, accelerator: Accelerator) -> dict[str, Any]:

@@ -16,6 +16,10 @@ class PairLogps:
     rejected: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
+    # The NLL of each whole chosen sequence (prompt included) and its predicted
+    # tokens, where the objective reads it (`reads_chosen_sequence`: ORPO's SFT term).
+    chosen_sequence_nll: torch.Tensor | None = None
+    chosen_sequence_tokens: torch.Tensor | None = None
 
     def per_token(self) -> "PairLogps":
         return PairLogps(self.chosen / self.chosen_tokens, self.rejected / self.rejected_tokens,

@@ -436,7 +436,7 @@ def test_bad_preference_input_is_one_line(models, tmp_path):
         (["--dataset", str(data)], "holds preference pairs (chosen/rejected), which --method sft"),
         (["--method", "dpo", "--dataset", str(text)], "trains on preference pairs (chosen/rejected), and --dataset"),
         (["--method", "dpo", "--dataset", str(same)], ": chosen and rejected are the same"),
-        (["--dpo_loss", "ipo", "--dataset", str(data)], "--dpo_loss applies to --method dpo"),
+        (["--dpo_loss", "ipo", "--dataset", str(data)], "--dpo_loss is read by --method dpo"),
         (["--method", "dpo", "--peft", "lora", "--reference_model", str(reference), "--dataset", str(data)],
          "no --reference_model to load"),
         (["--method", "simpo", "--data_format", "chat", "--dataset", str(data)], "trains on preference pairs"),

@@ -56,8 +56,8 @@ GRPO = {"method": "grpo", "reward_funcs": ["exact_match"]}
     ({**GRPO, "top_p": "0"}, "--top_p must be in"),
     ({**GRPO, "data_format": "chat"}, "--method grpo trains on prompts alone"),
     ({"data_format": "prompt"}, "--data_format prompt is what --method grpo trains on"),
-    ({"num_generations": "4"}, "--num_generations applies to --method grpo and this run is --method sft"),
-    ({"method": "dpo", "reward_funcs": ["format"]}, "--reward_funcs applies to --method grpo"),
+    ({"num_generations": "4"}, "--num_generations is read by --method grpo, not by --method sft"),
+    ({"method": "dpo", "reward_funcs": ["format"]}, "--reward_funcs is read by --method grpo"),
 ])
 def test_an_objectives_options_are_checked_in_its_own_section(overrides, problem):
     with pytest.raises(UsageError, match=problem):

@@ -154,7 +154,7 @@ def test_expert_load_per_layer():
     (dict(peft="lora", lora_target_modules="q_proj,experts", lora_dropout=0.1), "without dropout; pass --lora_dropout 0"),
     (dict(peft="lora", lora_target_modules="mlp.gate", lora_dropout="0.05"), "names mlp.gate"),
     (dict(router_aux_loss_coef=0.01), "add --output_router_logits"),
-    (dict(method="dpo", output_router_logits=True), "applies to --method sft"),
+    (dict(method="dpo", output_router_logits=True), "is read by --method sft"),
     (dict(output_router_logits=True, router_aux_loss_coef="nan"), "must be a number"),
 ])
 def test_router_and_dropout_options_are_refused_in_one_line(overrides, message):

@@ -1,0 +1,112 @@
+"""ORPO's loss and metrics (finetune/objectives/orpo.py) for a fixed batch of
+pairs: against a computation written here from the paper's formula with
+transformers alone (each sequence scored on its own, unpadded), and against
+TRL's ORPOTrainer scoring the same batch with the same model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from finetune.config import TrainConfig
+from finetune.data.chat import IGNORE
+from finetune.data.preference import PairCollator, PairEncoder
+from finetune.objectives.pairs import PreferenceLM
+from tests.sft_models import chat_tokenizer, conversations
+
+BETA = 0.25
+WORDS = "reads returns sorted writes changes error disk nothing file lines".split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer([m["content"] for row in conversations(60) for m in row["messages"]] + WORDS)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()
+
+
+def pair_rows(count: int) -> list[dict]:
+    rng = random.Random(3)
+    return [{"prompt": f"the model {' '.join(rng.choices(WORDS, k=rng.randint(1, 4)))}\n",
+             "chosen": " ".join(rng.choices(WORDS[:5], k=rng.randint(1, 5))),
+             "rejected": " ".join(rng.choices(WORDS[5:], k=rng.randint(1, 5)))} for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer) -> dict:
+    encoder = PairEncoder(tokenizer)
+    rows = [{**encoder.encode(row, i), "pair": i} for i, row in enumerate(pair_rows(4))]
+    return PairCollator(tokenizer.pad_token_id)(rows)
+
+
+def by_hand(model, batch: dict) -> dict[str, float]:
+    """Each sequence unpadded through the model: the chosen rows' NLL over all
+    their tokens (prompt included), the mean log-probs of each completion, and
+    the odds-ratio term, as the ORPO paper writes them."""
+    pairs = len(batch["input_ids"]) // 2
+    means, nll_sum, nll_tokens = [], 0.0, 0
+    for row in range(2 * pairs):
+        length = int(batch["attention_mask"][row].sum())
+        ids, labels = batch["input_ids"][row, :length], batch["labels"][row, :length]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids[None]).logits[0].double(), dim=-1)
+        picked = logprobs[:-1].gather(1, ids[1:, None])[:, 0]
+        completion = labels[1:] != IGNORE
+        means.append(float(picked[completion].mean()))
+        if row < pairs:
+            nll_sum, nll_tokens = nll_sum - float(picked.sum()), nll_tokens + len(picked)
+    chosen, rejected = means[:pairs], means[pairs:]
+    log_odds = [(c - r) - (math.log1p(-math.exp(c)) - math.log1p(-math.exp(r))) for c, r in zip(chosen, rejected)]
+    ratios = [-math.log1p(math.exp(-x)) for x in log_odds]
+    nll = nll_sum / nll_tokens
+    return {"loss": nll - BETA * sum(ratios) / pairs, "nll_loss": nll, "log_odds_ratio": sum(ratios) / pairs,
+            "log_odds_chosen": sum(log_odds) / pairs, "rewards/chosen": BETA * sum(chosen) / pairs,
+            "rewards/margins": BETA * (sum(chosen) - sum(rejected)) / pairs, "logps/rejected": sum(rejected) / pairs}
+
+
+def ours(model, batch: dict) -> dict[str, float]:
+    task = PreferenceLM(TrainConfig(objective="orpo", dpo_beta=BETA))
+    with torch.no_grad():
+        out = task.loss(model, batch)
+    pairs = len(batch["input_ids"]) // 2
+    return {"loss": float(out.total) / pairs, **{name: float(v) / pairs for name, v in out.metrics.items()}}
+
+
+def test_orpo_loss_and_metrics_equal_the_formula_with_transformers_alone(model, batch):
+    expected, got = by_hand(model, batch), ours(model, batch)
+    assert expected["log_odds_chosen"] != 0 and expected["nll_loss"] > 0  # an untrained model: real values
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_orpo_loss_equals_trls_trainer_on_the_same_batch(model, tokenizer, batch, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    args = ORPOConfig(output_dir=str(tmp_path), beta=BETA, report_to=[], use_cpu=True, max_length=64,
+                      per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pair_rows(4)),
+                          processing_class=tokenizer)
+    pairs = len(batch["input_ids"]) // 2
+    sides = {"chosen": slice(0, pairs), "rejected": slice(pairs, None)}
+    trl_batch = {f"{side}_{key}": batch[key][rows] for side, rows in sides.items()
+                 for key in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        loss, metrics = trainer.get_batch_loss_metrics(model, trl_batch, "train")
+    got = ours(model, batch)
+    assert float(loss) == pytest.approx(got["loss"], rel=1e-5, abs=1e-6)
+    for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/margins",
+                 "logps/rejected"):
+        assert metrics[name] == pytest.approx(got[name], rel=1e-5, abs=1e-6), name
