@@ -205,3 +205,23 @@ def save_gguf_model(path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Words of a learnable preference: the preferred answers use the first five, the others the rest.
+PREFERENCE_WORDS = "reads returns sorted writes changes error disk nothing file lines".split()
+
+
+def preference_tokenizer() -> PreTrainedTokenizerFast:
+    """The chat tokenizer, trained on the chat texts and the preference words."""
+    return chat_tokenizer([m["content"] for row in conversations(60) for m in row["messages"]] + PREFERENCE_WORDS)
+
+
+def tiny_llama(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer Llama of random weights for `tokenizer`, in eval mode (no dropout)."""
+    import torch
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LlamaForCausalLM(config).eval()

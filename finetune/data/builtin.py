@@ -173,6 +173,20 @@ def build_stdlib_preferences() -> Path:
     return _write_once("stdlib-preferences", _preferences)
 
 
+def _unpaired() -> Iterator[dict]:
+    """Each preference pair as two labelled completions: the right answer
+    desirable, another question's answer undesirable."""
+    for row in map(json.loads, build_stdlib_preferences().read_text().splitlines()):
+        yield {"prompt": row["prompt"], "completion": row["chosen"], "label": True}
+        yield {"prompt": row["prompt"], "completion": row["rejected"], "label": False}
+
+
+def build_stdlib_unpaired() -> Path:
+    """The built-in questions as KTO's unpaired completions: {"prompt": [user],
+    "completion": [an answer], "label": whether it is the docstring's}."""
+    return _write_once("stdlib-unpaired", _unpaired)
+
+
 def _module_questions() -> Iterator[dict]:
     """Names defined at the top of exactly one public stdlib module, asked for
     that module: an answer a reward can check by string match."""

@@ -1,6 +1,6 @@
 """The data formats (`--data_format`) a causal LM's rows come in: the columns
-that name each (auto detection tries them in this order), and how messages
-speak of them. Light on purpose: the config reads it before any library loads.
+that name each (auto detection tries them in this order; an objective's Task
+asks for its own), and how messages speak of them. Light on purpose: the config reads it before any library loads.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ FORMATS = {entry.name: entry for entry in (
                '{"instruction": ..., "input": ..., "output": ...}', "build_stdlib_questions", sft=True),
     DataFormat("prompt_completion", ("prompt", "completion"), "prompts with completions (prompt/completion)",
                '{"prompt": ..., "completion": ...}', "build_stdlib_questions", sft=True),
+    DataFormat("unpaired", ("prompt", "completion", "label"),
+               "unpaired completions labelled desirable or not (prompt/completion/label)",
+               '{"prompt": ..., "completion": ..., "label": true}', "build_stdlib_unpaired"),
     DataFormat("prompt", ("prompt",), "prompts alone (a prompt column)", '{"prompt": ...} (a string, or messages)',
                "build_stdlib_module_questions"),
 )}

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
-from finetune.data.chat import (EXAMPLE_NUMBER, IGNORE, ChatEncoder, PadCollator, check_messages, counted,
+from finetune.data.chat import (EXAMPLE_NUMBER, IGNORE, ChatEncoder, Encoded, PadCollator, check_messages, counted,
                                  well_formed_messages)
 from finetune.errors import UsageError
 
@@ -102,14 +102,16 @@ class PairEncoder:
         prompt, chosen, rejected = split_pair(row, where)
         out = {}
         for name, completion in zip(SIDES, (chosen, rejected)):
-            if isinstance(prompt, str):
-                encoded = self.strings.encode({"prompt": prompt, "completion": completion, EXAMPLE_NUMBER: index + 1},
-                                              index)
-            else:
-                encoded = self.messages.encode_messages(prompt + completion, where,
-                                                        first_answer=sum(m["role"] == "assistant" for m in prompt))
+            encoded = self.encode_side(prompt, completion, index, where)
             out[f"{name}_input_ids"], out[f"{name}_labels"] = encoded.input_ids, encoded.labels
         return out
+
+    def encode_side(self, prompt, completion, index: int, where: str) -> Encoded:
+        """One sequence, the prompt then the completion, labelled on the completion."""
+        if isinstance(prompt, str):
+            return self.strings.encode({"prompt": prompt, "completion": completion, EXAMPLE_NUMBER: index + 1}, index)
+        return self.messages.encode_messages(prompt + completion, where,
+                                             first_answer=sum(m["role"] == "assistant" for m in prompt))
 
 
 def prompt_length(labels: list[int]) -> int:

@@ -92,14 +92,8 @@ class PreferenceLM(WithReference, CausalLM):
     # --- data -------------------------------------------------------------------------------------
 
     def _raw_data(self, data_format: str = "", scoring: bool = False) -> tuple[DatasetDict, str]:
-        cfg = self.cfg
-        # The embedded default has a set of pairs; other data must turn out to be pairs.
-        raw, found = super()._raw_data("preference")  # its own format, whatever the columns: its own error
-        if found != "preference":
-            raise UsageError(f"--method {cfg.objective} trains on preference pairs (chosen and rejected columns), and "
-                             f"--dataset {cfg.dataset} holds {found} data; give it chosen/rejected (and prompt) "
-                             "columns, or train on it with --method sft")
-        return raw, found
+        # The objective's own format, whatever the columns: the embedded default's rows in it, or its own error.
+        return super()._raw_data(self.objective.data_format)
 
     def _splits(self, raw: DatasetDict, data_format: str, tokenizer: PreTrainedTokenizerBase) -> tuple[DatasetDict, str]:
         cfg = self.cfg

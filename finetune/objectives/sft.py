@@ -33,7 +33,8 @@ class SFT(Objective):
             raise UsageError(f"--output_router_logits applies to mixture-of-experts language models, not --task "
                              f"{cfg.task}; drop it")
         if not math.isfinite(cfg.router_aux_loss_coef):
-            raise UsageError(f"--router_aux_loss_coef must be a number, got {cfg.router_aux_loss_coef}; pass e.g. 0.001")
+            raise UsageError(f"--router_aux_loss_coef must be a number, got {cfg.router_aux_loss_coef}; pass e.g. "
+                             "0.001")
         if cfg.router_aux_loss_coef >= 0 and not cfg.output_router_logits:
             raise UsageError(f"--router_aux_loss_coef {cfg.router_aux_loss_coef:g} weighs the routers' load-balancing "
                              "loss, which only --output_router_logits adds; add --output_router_logits")

@@ -10,30 +10,24 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune.config import TrainConfig
 from finetune.data.chat import IGNORE
 from finetune.data.preference import PairCollator, PairEncoder
 from finetune.objectives.pairs import PreferenceLM
-from tests.sft_models import chat_tokenizer, conversations
+from tests.sft_models import PREFERENCE_WORDS as WORDS, preference_tokenizer, tiny_llama
 
 BETA = 0.25
-WORDS = "reads returns sorted writes changes error disk nothing file lines".split()
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return chat_tokenizer([m["content"] for row in conversations(60) for m in row["messages"]] + WORDS)
+    return preference_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(tokenizer)
 
 
 def pair_rows(count: int) -> list[dict]:
