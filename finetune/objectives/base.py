@@ -159,6 +159,8 @@ class RolloutObjective(Objective):
     shared = (RolloutOptions, ReferenceOptions)
     learning_rates = {"full": 1e-6, "lora": 1e-5}  # TRL's GRPOConfig rate; its LoRA examples use 1e-5
     samples = True
+    # The KL to the reference is taken from the rewards (RLOO), not added to the loss (GRPO).
+    takes_kl_from_reward: ClassVar[bool] = False
 
     def holds_reference(self, cfg) -> bool:
         return cfg.beta > 0
@@ -216,10 +218,11 @@ class RolloutObjective(Objective):
 
     # --- the arithmetic rollouts.py asks for (torch tensors) --------------------------------------
 
-    def advantages(self, cfg, per_function, weights):
+    def advantages(self, cfg, per_function, weights, penalty=None):
         """`per_function`: [N, F] rewards (NaN where a function returned None),
         N completions in groups of num_generations consecutive rows; `weights`
-        [F]. A grpo_loss.Advantages."""
+        [F]; `penalty` [N]: what `takes_kl_from_reward` takes from each reward
+        (beta times its summed KL to the reference), else None. A grpo_loss.Advantages."""
         raise NotImplementedError
 
     def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps):

@@ -30,7 +30,7 @@ class GRPO(RolloutObjective):
     summary = "online RL: the model's own samples of each prompt, scored by --reward_funcs, against their group's mean"
     options = GRPOOptions
 
-    def advantages(self, cfg, per_function, weights):
+    def advantages(self, cfg, per_function, weights, penalty=None):
         from finetune.objectives import grpo_loss
 
         return grpo_loss.group_advantages(per_function, weights, cfg.num_generations, cfg.scale_rewards)

@@ -125,3 +125,42 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     """[B, T]: the entropy of each position's next-token distribution."""
     logps = torch.log_softmax(logits.float(), dim=-1)
     return -(logps.exp() * logps).sum(dim=-1)
+
+
+def leave_one_out_advantages(per_function: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                             penalty: torch.Tensor | None, normalize: bool) -> Advantages:
+    """RLOO's (TRL's RLOOTrainer): each completion's reward (minus `penalty`,
+    beta times its summed KL to the reference) against the mean of the other
+    scored completions of its group; unscorable completions and groups with a
+    single scored one get 0. `normalize`: then over the batch, (A - mean) / (std + 1e-4)."""
+    unscorable = torch.isnan(per_function).all(dim=1)
+    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
+    if penalty is not None:
+        rewards = rewards - penalty.to(rewards)
+    rewards[unscorable] = torch.nan
+    groups = rewards.view(-1, num_generations)
+    scored = (~torch.isnan(groups)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(groups, dim=1, keepdim=True) - groups) / (scored - 1)
+    advantages = (groups - baselines).view(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + STD_EPSILON)
+    std = nanstd(groups, dim=1).repeat_interleave(num_generations)
+    return Advantages(rewards, torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std)))
+
+
+def sequence_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
+                    mask: torch.Tensor, epsilon_low: float, epsilon_high: float, normalized: bool) -> TokenLosses:
+    """RLOO's loss (TRL's RLOOTrainer): one clipped term a completion, on the
+    ratio of the whole sequence, exp(sum of its tokens' log-ratios), or with
+    `normalized` (GSPO) of their mean; spread over its tokens, so that their sum
+    is the completion's loss."""
+    old_logps = logps.detach() if old_logps is None else old_logps
+    tokens = mask.sum(-1).clamp(min=1)
+    log_ratio = ((logps - old_logps) * mask).sum(-1)
+    ratio = torch.exp(log_ratio / tokens if normalized else log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    losses = -torch.min(ratio * advantages, clipped * advantages)
+    mask = mask.bool()
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).unsqueeze(1) & mask
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).unsqueeze(1) & mask
+    return TokenLosses((losses / tokens).unsqueeze(1) * mask, None, low, high)

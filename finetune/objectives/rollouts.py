@@ -239,8 +239,25 @@ class RolloutLM(WithReference, CausalLM):
         per_function = torch.cat([b.pop("_rewards") for b in batches])
         lengths = torch.cat([b["completion_length"] for b in batches]).cpu().float()
         truncated = torch.cat([b["truncated"] for b in batches]).cpu().float()
+        kl_from_reward = cfg.beta > 0 and self.objective.takes_kl_from_reward
+        if cfg.num_iterations > 1 or kl_from_reward:  # the policy as it sampled: the ratio's denominator
+            sampled_logps = [self._token_logps(model, batch) for batch in batches]
+            if cfg.num_iterations > 1:
+                for batch, logps in zip(batches, sampled_logps):
+                    batch["old_logps"] = logps
+        if cfg.beta > 0:
+            for batch in batches:
+                batch["reference_logps"] = self.with_reference(model, lambda scorer: self._token_logps(scorer, batch))
+        if cfg.num_iterations > 1 or cfg.beta > 0:
+            self.backend.after_evaluation(model)  # forwards without backward: FSDP2's root stays gathered
+        masks = [next_token_targets(batch["labels"]) != IGNORE for batch in batches]
+        kl_sums = (torch.cat([((logps - batch["reference_logps"]) * mask).sum(-1)
+                              for logps, batch, mask in zip(sampled_logps, batches, masks)]).cpu()
+                   if kl_from_reward else torch.zeros(len(per_function)))
+        tokens = torch.cat([mask.sum(-1) for mask in masks]).cpu().float()
         # Every rank's rewards (the batch std, scale_rewards=batch, and the metrics span them all), in one collective.
-        gathered = acc.gather(torch.cat([per_function, lengths[:, None], truncated[:, None]], 1).to(acc.device)).cpu()
+        gathered = acc.gather(torch.cat([per_function, kl_sums[:, None], tokens[:, None], lengths[:, None],
+                                         truncated[:, None]], 1).to(acc.device)).cpu()
         everyone = gathered[:, :len(self.rewards)]
         if torch.isnan(everyone).all() and not self.warned_unscored:
             self.warned_unscored = True
@@ -248,29 +265,20 @@ class RolloutLM(WithReference, CausalLM):
                      f"every completion of rollout {number}: none is scored, every advantage is 0 and nothing is "
                      "learned; None means 'does not apply': check that the functions apply to this data (the "
                      f"columns they get: {', '.join(sorted(self.rows[0])) if self.rows else 'none'})")
-        advantages = self.advantages(everyone)
+        penalty = cfg.beta * gathered[:, -4] if kl_from_reward else None
+        advantages = self.objective.advantages(cfg, everyone, self.weights, penalty)
         mine = slice(acc.process_index * len(per_function), (acc.process_index + 1) * len(per_function))
         start = 0
         for batch in batches:
             n = len(batch["input_ids"])
             batch["advantages"] = advantages.advantages[mine][start:start + n].to(acc.device)
             start += n
-        if cfg.num_iterations > 1:  # the ratio's denominator: the policy as it sampled
-            for batch in batches:
-                batch["old_logps"] = self._token_logps(model, batch)
-        if cfg.beta > 0:
-            for batch in batches:
-                batch["reference_logps"] = self.with_reference(model, lambda scorer: self._token_logps(scorer, batch))
-        if cfg.num_iterations > 1 or cfg.beta > 0:
-            self.backend.after_evaluation(model)  # forwards without backward: FSDP2's root stays gathered
         self.rollout_metrics = self._rollout_metrics(everyone, advantages, gathered[:, -2], gathered[:, -1].bool())
+        if kl_from_reward:  # the KL the rewards paid, per completion token (TRL's `kl` of RLOO)
+            self.rollout_metrics["kl"] = float(gathered[:, -4].sum() / gathered[:, -3].sum().clamp(min=1))
         if cfg.log_completions_every and number % cfg.log_completions_every == 0 and acc.is_main_process:
             self._log_completions(batches[0], per_function, advantages.advantages[mine], number)
         return batches
-
-    def advantages(self, per_function: torch.Tensor) -> grpo_loss.Advantages:
-        """Every rank's completions' advantages from their rewards [N, functions]."""
-        return self.objective.advantages(self.cfg, per_function, self.weights)
 
     def _completion_batch(self, prompts: dict, completion_ids: torch.Tensor) -> dict:
         """Training rows of prompt + completion (up to its end-of-text token),
@@ -387,7 +395,7 @@ class RolloutLM(WithReference, CausalLM):
         """Token metrics over the step's completion tokens, and the rollout's."""
         tokens = max(sums.pop("completion_tokens"), 1)
         means = {name: value / tokens for name, value in sums.items()}
-        if not self.cfg.beta:
+        if not self.cfg.beta or "kl" in self.rollout_metrics:  # no KL term, or the rewards paid it
             means.pop("kl")
         return {**self.rollout_metrics, **means}
 

@@ -55,8 +55,8 @@ GRPO = {"method": "grpo", "reward_funcs": ["exact_match"]}
     ({**GRPO, "beta": "-1"}, "--beta \\(the KL coefficient\\) must be >= 0"),
     ({**GRPO, "top_p": "0"}, "--top_p must be in"),
     ({**GRPO, "data_format": "chat"}, "--method grpo trains on prompts alone"),
-    ({"data_format": "prompt"}, "--data_format prompt is what --method grpo trains on"),
-    ({"num_generations": "4"}, "--num_generations is read by --method grpo, not by --method sft"),
+    ({"data_format": "prompt"}, "--data_format prompt is what --method grpo or rloo trains on"),
+    ({"num_generations": "4"}, "--num_generations is read by --method grpo or rloo, not by --method sft"),
     ({"method": "dpo", "reward_funcs": ["format"]}, "--reward_funcs is read by --method grpo"),
 ])
 def test_an_objectives_options_are_checked_in_its_own_section(overrides, problem):
