@@ -1,0 +1,108 @@
+"""The objectives added beside SFT, DPO and GRPO learn under 2-process FSDP on
+CPU, each checked from the outside: ORPO and KTO widen the held-out margin of
+chosen (desirable) over rejected log-probabilities, scored from final/ with
+transformers alone; RLOO and GSPO raise the held-out reward. One set of warm
+runs, side by side."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import check_ok, launches, read_jsonl, run_cli_together, train_rows
+from e2e.test_grpo import REWARDS, WORDS
+from e2e.test_preference import pairs
+from sft_models import save_chat_model, write_jsonl
+
+COMMON = ["--block_size", "64", "--sample_prompt", "", "--log_format", "plain", "--lr_scheduler_type", "constant",
+          "--warmup_steps", "0"]
+
+
+@pytest.fixture(scope="module")
+@launches
+def runs(tmp_path_factory, env) -> dict:
+    """ORPO and KTO on a learnable preference (the GOOD words over the BAD
+    ones), RLOO and GRPO with GSPO's ratio on a dense reward, all fp32."""
+    root = tmp_path_factory.mktemp("objectives")
+    model = save_chat_model(root / "model")
+    train, held_out = pairs(96, 0, conversational=True), pairs(24, 1, conversational=True)
+    write_jsonl(root / "pairs.jsonl", train)
+    unpaired = [{"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+                for row in train for side in ("chosen", "rejected")]
+    write_jsonl(root / "unpaired.jsonl", unpaired)
+    rng = random.Random(0)
+    prompts = [{"prompt": [{"role": "user", "content": f"say {' '.join(rng.choices(WORDS, k=rng.randint(2, 5)))}"}]}
+               for _ in range(96)]
+    write_jsonl(root / "prompts.jsonl", prompts)
+    (root / "rewards.py").write_text(REWARDS.replace("answer, **columns", "**columns").replace(
+        "    assert len(answer) == len(completions) == len(prompts) == len(completion_ids)\n", ""))
+    rollouts = ["--dataset", root / "prompts.jsonl", "--reward_funcs", f"{root / 'rewards.py'}:a_rich",
+                "--num_generations", "4", "--per_device_batch_size", "8", "--max_completion_length", "8",
+                "--learning_rate", "2e-2", "--max_eval_samples", "16", "--max_steps", "16"]
+    preference = ["--per_device_batch_size", "4", "--max_steps", "16"]
+    args = {"orpo": ["--method", "orpo", "--dataset", root / "pairs.jsonl", "--learning_rate", "3e-3", *preference],
+            "kto": ["--method", "kto", "--dataset", root / "unpaired.jsonl", "--learning_rate", "3e-3",
+                    *preference],
+            # TRL's RLOO takes a KL of beta 0.05 from the rewards: a reward ten times the share outweighs its noise.
+            "rloo": ["--method", "rloo", "--reward_weights", "10", *rollouts],
+            "gspo": ["--method", "grpo", "--importance_sampling_level", "sequence", "--loss_type", "grpo",
+                     *rollouts]}
+    dirs = {name: root / name for name in args}
+    procs = run_cli_together([(["train", "--model", model, *COMMON, *a, "--output_dir", dirs[name]],
+                               {"mixed_precision": "no"}) for name, a in args.items()], env)
+    for proc in procs:
+        check_ok(proc)
+    return {**dirs, "model": model, "held_out": held_out}
+
+
+def mean_logps(model, tokenizer, prompt: list[dict], answer: list[dict]) -> float:
+    """The answer's mean log-prob after the prompt, through the chat template: transformers alone."""
+    context = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    whole = tokenizer.apply_chat_template(prompt + answer, tokenize=True, return_dict=False)
+    assert whole[:len(context)] == context
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), dim=-1)
+    return float(sum(logprobs[t - 1, whole[t]] for t in range(len(context), len(whole))) / (len(whole) - len(context)))
+
+
+def held_out_margin(model_dir: Path, rows: list[dict]) -> float:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return sum(mean_logps(model, tokenizer, r["prompt"], r["chosen"]) - mean_logps(model, tokenizer, r["prompt"],
+                                                                                     r["rejected"])
+               for r in rows) / len(rows)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "kto"])
+def test_the_preference_is_learnt_as_transformers_scores_the_final_model(runs, objective):
+    run = runs[objective]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["objective"] == objective and summary["distributed_type"] == "FSDP"
+    assert len(set(summary["local_params_per_rank"])) == 1 and summary["world_size"] == 2  # sharded in halves
+    base, trained = held_out_margin(runs["model"], runs["held_out"]), held_out_margin(run / "final", runs["held_out"])
+    assert trained > base + 0.5, (base, trained)  # nats per answer token
+    rows = train_rows(run)
+    names = {"orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies"),
+             "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen")}[objective]
+    assert all(name in rows[-1] for name in names), rows[-1]
+    assert summary["last_eval"]["eval_rewards/margins"] > summary["first_eval"]["eval_rewards/margins"]
+
+
+@pytest.mark.parametrize("objective", ["rloo", "gspo"])
+def test_the_held_out_reward_rises(runs, objective):
+    run = runs[objective]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.2, (summary["first_eval"],
+                                                                                      summary["last_eval"])
+    rows = train_rows(run)
+    first, last = (sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
+    assert last > first + 0.1, [round(r["reward"], 3) for r in rows]
+    if objective == "rloo":  # TRL's RLOO: a KL term by default, paid from the rewards
+        assert summary["objective"] == "rloo" and all("kl" in r for r in rows) and rows[-1]["kl"] != 0
+    completions = read_jsonl(run / "completions.jsonl") if (run / "completions.jsonl").exists() else []
+    assert completions, "completions.jsonl was written"
