@@ -335,7 +335,7 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
             wanted, given = objective.data_format, FORMATS.get(self.data_format)
             if wanted is None and given is not None and not given.sft:
                 owners = [name for name, o in OBJECTIVE_REGISTRY.items() if o.data_format == self.data_format]
-                raise UsageError(f"--data_format {self.data_format} is what --method {' or '.join(owners)} trains on, "
+                raise UsageError(f"--data_format {self.data_format} is what --method {one_of(owners)} trains on, "
                                  f"not --method {self.objective}; pass --method {owners[0]}, or another --data_format")
             if wanted is not None and self.data_format not in ("auto", wanted):
                 raise UsageError(f"--method {self.objective} trains on {FORMATS[wanted].words}, not --data_format "
@@ -411,6 +411,12 @@ RESUME_MAY_CHANGE = {f.name: f.metadata["on_resume"] for f in dataclasses.fields
 # Options that take several values, and the type of each.
 SEVERAL_VALUES = {f.name: _element(get_type_hints(TrainConfig)[f.name]) for f in dataclasses.fields(TrainConfig)
                   if f.metadata["nargs"]}
+
+
+def one_of(names) -> str:
+    """a; a or b; a, b or c."""
+    names = list(names)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def flag(name: str) -> str:
@@ -610,7 +616,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
             users = readers[unread[0]]
             add = fallback if fallback in users else users[0]
             given = f"--{unread[0]}" if unread[0] in overrides else f"{path} sets {unread[0]}, which"
-            raise UsageError(f"{given} is read by --{option_name} {' or '.join(users)}, not by --{option_name} "
+            raise UsageError(f"{given} is read by --{option_name} {one_of(users)}, not by --{option_name} "
                              f"{chosen}; drop {'it' if unread[0] not in overrides else given}, or pass "
                              f"--{option_name} {add}")
     if "lora_dropout" in overrides and coerce("lora_dropout", overrides["lora_dropout"]) and \

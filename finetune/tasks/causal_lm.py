@@ -23,6 +23,7 @@ from finetune.data.text import LoadedSources, load_raw_data, load_sources, token
 from finetune.data.tokenizer import load_preset_tokenizer, save_bpe_tokenizer
 from finetune.backends.base import Backend
 from finetune.collectives import broadcast_from_main, check_same_layout, main_process_first
+from finetune.config import one_of
 from finetune.data.formats import FORMATS, SFT_FORMATS
 from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.errors import UsageError
@@ -210,7 +211,7 @@ class CausalLM(Task):
         if kind and not kind.sft and OBJECTIVES[cfg.objective].data_format != data_format:
             owners = [name for name, objective in OBJECTIVES.items() if objective.data_format == data_format]
             raise UsageError(f"--dataset {cfg.dataset} holds {kind.words}, which --method {cfg.objective} does not "
-                             f"train on; pass --method {' or '.join(owners)}, or give it the columns of "
+                             f"train on; pass --method {one_of(owners)}, or give it the columns of "
                              f"{', '.join(SFT_FORMATS)} data")
         return limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples), data_format
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from finetune.config import TrainConfig, load_config
 from finetune.errors import UsageError
@@ -58,10 +59,45 @@ GRPO = {"method": "grpo", "reward_funcs": ["exact_match"]}
     ({"data_format": "prompt"}, "--data_format prompt is what --method grpo or rloo trains on"),
     ({"num_generations": "4"}, "--num_generations is read by --method grpo or rloo, not by --method sft"),
     ({"method": "dpo", "reward_funcs": ["format"]}, "--reward_funcs is read by --method grpo"),
+    ({"method": "orpo", "reference_model": "gpt2"}, "--reference_model is read by --method dpo, kto, grpo or rloo, "
+                                                    "not by --method orpo; drop --reference_model"),
+    ({"method": "dpo", "importance_sampling_level": "sequence"},
+     "--importance_sampling_level is read by --method grpo or rloo, not by --method dpo"),
+    ({"method": "grpo", "importance_sampling_level": "sentence"}, "--importance_sampling_level 'sentence' is not "
+                                                                  "supported; choose one of token, sequence"),
+    ({"method": "kto", "per_device_batch_size": "1"}, "KTO's KL estimate pairs each prompt with another row's"),
+    ({"method": "kto", "desirable_weight": "0"}, "--desirable_weight must be a positive number"),
+    ({"method": "kto", "data_format": "preference"}, "--method kto trains on unpaired completions"),
+    ({"method": "rloo", "normalize_advantages": "true"}, "--method rloo needs --reward_funcs"),
+    ({"method": "grpo", "reward_funcs": ["format"], "normalize_advantages": "true"},
+     "--normalize_advantages is read by --method rloo, not by --method grpo"),
 ])
 def test_an_objectives_options_are_checked_in_its_own_section(overrides, problem):
     with pytest.raises(UsageError, match=problem):
         load_config(None, overrides)
+
+
+def test_an_objective_that_sets_other_defaults_gets_them_and_says_so_in_help():
+    """RLOO starts from TRL's RLOOConfig values, a given value wins, and GRPO keeps its own."""
+    rloo = load_config(None, {"method": "rloo", "reward_funcs": ["format"], "per_device_batch_size": "4"})
+    assert (rloo.num_generations, rloo.beta) == (2, 0.05)
+    given = load_config(None, {"method": "rloo", "reward_funcs": ["format"], "num_generations": "4", "beta": "0"})
+    assert (given.num_generations, given.beta) == (4, 0.0)
+    grpo = load_config(None, {"method": "grpo", "reward_funcs": ["format"]})
+    assert (grpo.num_generations, grpo.beta) == (8, 0.0)
+
+
+def test_an_objective_option_set_in_a_file_for_another_objective_is_refused(tmp_path):
+    """A run config records every option; one the file sets away from its default for an objective that
+    does not read it is the user's mistake, not a record."""
+    path = tmp_path / "run.yaml"
+    path.write_text("method: orpo\nreference_model: gpt2\n")
+    with pytest.raises(UsageError, match=f"{path} sets reference_model, which is read by --method dpo"):
+        load_config(path, {})
+    path.write_text(yaml.safe_dump({**TrainConfig(objective="orpo").to_dict(), "output_dir": str(tmp_path)}))
+    assert load_config(path, {}).objective == "orpo"  # a recorded config, every option at its default
+    path.write_text("method: dpo\n")  # the name runs recorded before `objective`
+    assert load_config(path, {}).objective == "dpo"
 
 
 def test_grpo_takes_trls_defaults_and_learning_rates():

@@ -88,7 +88,9 @@ def test_each_objective_names_its_own_format_when_the_columns_are_missing(tmp_pa
     for objective, data_format, says in (
             ("grpo", "prompt", r"--method grpo trains on prompts alone .* no column\(s\) prompt "
                                r"\(columns: question, answer\); give each row \{\"prompt\""),
-            ("dpo", "preference", r"--method dpo trains on preference pairs .* no column\(s\) chosen, rejected")):
+            ("dpo", "preference", r"--method dpo trains on preference pairs .* no column\(s\) chosen, rejected"),
+            ("kto", "unpaired", r"--method kto trains on unpaired completions .* no column\(s\) prompt, completion, "
+                                r"label .*\"label\": true")):
         with pytest.raises(UsageError, match=says) as caught:
             load_raw_data(str(tmp_path / "qa.jsonl"), data_format, "text", 0.25, 0, objective=objective)
         assert "--text_column" not in str(caught.value)
