@@ -323,14 +323,15 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
         self._validate_data_sources()
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
-        if self.model_dtype != "float32" and self.task != "causal-lm":
-            raise UsageError(f"--model_dtype {self.model_dtype} is for --task causal-lm; train {self.task} models in "
+        if self.model_dtype != "float32" and not REGISTRY[self.task].has_tokenizer:
+            raise UsageError(f"--model_dtype {self.model_dtype} is for language models; train {self.task} models in "
                              "float32 (mixed precision comes from the accelerate config)")
         objective = OBJECTIVE_REGISTRY.get(self.objective)
         if objective is not None:  # an unknown name is refused with the other choices below
-            if objective.task_only and self.task != objective.task_only:
-                raise UsageError(f"--method {self.objective} is for --task {objective.task_only}; train {self.task} "
-                                 f"models with --method {DEFAULT_OBJECTIVE}")
+            if self.task not in objective.tasks:
+                fitting = [name for name, o in OBJECTIVE_REGISTRY.items() if self.task in o.tasks]
+                raise UsageError(f"--method {self.objective} is for --task {one_of(objective.tasks)}; train "
+                                 f"{self.task} models with --method {one_of(fitting)}")
             objective.check(self)
             wanted, given = objective.data_format, FORMATS.get(self.data_format)
             if wanted is None and given is not None and not given.sft:
@@ -341,8 +342,8 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
                 raise UsageError(f"--method {self.objective} trains on {FORMATS[wanted].words}, not --data_format "
                                  f"{self.data_format}; pass --data_format {wanted} or auto")
         if self.peft in PEFT_REGISTRY:
-            if self.peft != "none" and self.task != "causal-lm":
-                raise UsageError(f"--peft {self.peft} is for --task causal-lm; train {self.task} models with --peft "
+            if self.peft != "none" and not REGISTRY[self.task].has_tokenizer:
+                raise UsageError(f"--peft {self.peft} is for language models; train {self.task} models with --peft "
                                  "none")
             PEFT_REGISTRY[self.peft].check(self)
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -624,12 +625,13 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> TrainConf
         raise UsageError(f"--lora_dropout applies to linear layers, and --lora_target_modules names {in_place} (fused "
                          "experts or a router), which peft adapts in place without dropout; pass --lora_dropout 0, "
                          "or name linear layers alone")
-    task = values.get("task", TrainConfig.task)
+    # The objective's own task (a reward model's) unless the file or the command line names one.
+    own = OBJECTIVE_REGISTRY[objective].defaults if objective in OBJECTIVE_REGISTRY else {}
+    task = values.get("task", own.get("task", TrainConfig.task))
     if task in REGISTRY:  # the task's own defaults; anything set in the file or on the command line wins
         entry = REGISTRY[task]
         model = values.get("model", entry.defaults.get("model", TrainConfig.model))
         fine_tuning = {} if from_scratch(model) else fine_tuning_defaults(objective, peft)
-        own = OBJECTIVE_REGISTRY[objective].defaults if objective in OBJECTIVE_REGISTRY else {}
         values = {**entry.defaults, **own, **fine_tuning, **values}
     cfg = TrainConfig(**{k: coerce(k, v) for k, v in values.items()})
     cfg.validate()

@@ -15,6 +15,7 @@ sequences, then its rejected ones, for one forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,11 @@ class PairEncoder:
         for name, completion in zip(SIDES, (chosen, rejected)):
             encoded = self.encode_side(prompt, completion, index, where)
             out[f"{name}_input_ids"], out[f"{name}_labels"] = encoded.input_ids, encoded.labels
+        if "margin" in row:  # by how much chosen should win, where the data says (TRL's reward-model column)
+            margin = row["margin"]
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+                raise UsageError(f"{where}: margin must be a number, got {margin!r}; fix that pair")
+            out["margin"] = float(margin)
         return out
 
     def encode_side(self, prompt, completion, index: int, where: str) -> Encoded:
@@ -127,7 +133,7 @@ def fit_pair(pair: dict, block_size: int, max_prompt_length: int, long_examples:
         if long_examples == "drop":
             stats.dropped_long += 1
             return None
-        pair = {key: value[:block_size] for key, value in pair.items()}
+        pair = {key: value[:block_size] if isinstance(value, list) else value for key, value in pair.items()}
         stats.truncated += 1
     if any(all(label == IGNORE for label in pair[f"{s}_labels"][1:]) for s in SIDES):
         stats.dropped_no_target += 1
@@ -172,4 +178,5 @@ class PairCollator:
         rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"],
                  "position_ids": list(range(len(pair[f"{side}_input_ids"])))}
                 for side in SIDES for pair in pairs]
-        return {**self.pad(rows), "pair": torch.tensor([pair["pair"] for pair in pairs])}
+        margins = {"margin": torch.tensor([pair["margin"] for pair in pairs])} if "margin" in pairs[0] else {}
+        return {**self.pad(rows), "pair": torch.tensor([pair["pair"] for pair in pairs]), **margins}

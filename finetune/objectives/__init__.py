@@ -10,12 +10,12 @@ without importing torch.
 
 from __future__ import annotations
 
-from finetune.objectives import dpo, grpo, kto, orpo, rloo, sft, simpo
+from finetune.objectives import dpo, grpo, kto, orpo, reward_model, rloo, sft, simpo
 from finetune.objectives.base import Objective
 from finetune.options import readers
 
 REGISTRY: dict[str, Objective] = {module.OBJECTIVE.name: module.OBJECTIVE for module in (
-    sft, dpo, simpo, orpo, kto, grpo, rloo,
+    sft, dpo, simpo, orpo, kto, grpo, rloo, reward_model,
 )}
 
 OBJECTIVES = tuple(REGISTRY)

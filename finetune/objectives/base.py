@@ -58,7 +58,7 @@ class Objective:
     # whether it samples completions (a KV cache in place of the training activations).
     sequences_per_row: ClassVar[int] = 1
     samples: ClassVar[bool] = False
-    task_only: ClassVar[str | None] = "causal-lm"  # the --task it trains (None: every task)
+    tasks: ClassVar[tuple[str, ...]] = ("causal-lm",)  # the --task values it trains (the first: its default)
 
     @classmethod
     def sections(cls) -> tuple[type, ...]:

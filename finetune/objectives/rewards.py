@@ -87,7 +87,32 @@ class RewardFunction:
 
 
 def is_user_code(spec: str) -> bool:
-    return spec not in BUILTIN_NAMES
+    return spec not in BUILTIN_NAMES and not is_reward_model(spec)
+
+
+def is_reward_model(spec: str) -> bool:
+    """A --reward_funcs entry that names a model dir: a reward model's scores, no code of its own run."""
+    return ":" not in spec and (Path(spec) / "config.json").is_file()
+
+
+def check_reward_model(spec: str) -> None:
+    """A reward model's dir, from its config.json alone: a sequence classifier with one score."""
+    import json
+
+    where = Path(spec) / "config.json"
+    try:
+        config = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--reward_funcs {spec}: {where} is not a readable JSON config ({e}); pass a reward model's "
+                         "dir") from None
+    architectures = config.get("architectures") or [] if isinstance(config, dict) else []
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2) if isinstance(config, dict) else 0
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in architectures)
+    if not classifier or labels != 1:
+        saved_as = ", ".join(map(str, architectures)) or "no architecture"
+        scores = f" with {labels} labels" if classifier else ""
+        raise UsageError(f"--reward_funcs {spec} is a model dir of {saved_as}{scores}, not a reward model (a sequence "
+                         "classifier with one score); train one with --method reward, or name a reward function")
 
 
 def reward_file(spec: str) -> Path | None:
@@ -97,7 +122,10 @@ def reward_file(spec: str) -> Path | None:
 
 
 def absolute_reward(spec: str) -> str:
-    """FILE.py:NAME with the file's absolute path, so that a resume from another dir reads the same file."""
+    """FILE.py:NAME with the file's absolute path (a reward model's dir, absolute), so
+    that a resume from another dir reads the same file."""
+    if is_reward_model(spec):
+        return str(Path(spec).absolute())
     path = reward_file(spec)
     return f"{path.absolute()}:{spec.rpartition(':')[2]}" if path is not None and path.exists() else spec
 
@@ -106,6 +134,9 @@ def check_reward_files(specs: Sequence[str]) -> None:
     """What can be said of --reward_funcs without importing anything: the form, and that a file exists."""
     for spec in specs:
         if spec in BUILTIN_NAMES:
+            continue
+        if is_reward_model(spec):
+            check_reward_model(spec)
             continue
         where, _, name = spec.rpartition(":")
         if not where or not name.isidentifier():
@@ -129,14 +160,45 @@ def load_reward_functions(specs: Sequence[str], pattern: str, max_completion_len
                 raise UsageError(f"--reward_pattern {pattern!r} is not a regular expression ({e}); fix it") from None
         elif spec == "length_penalty":
             function = length_penalty_reward(max_completion_length)
+        elif is_reward_model(spec):
+            check_reward_model(spec)
+            function = reward_model_scores(spec)
         else:
             function = _user_function(spec)
-        name = spec if spec in BUILTIN_NAMES else spec.rpartition(":")[2]
+        name = (spec if spec in BUILTIN_NAMES else Path(spec).name if is_reward_model(spec)
+                else spec.rpartition(":")[2])
         if any(f.name == name for f in functions):
             raise UsageError(f"--reward_funcs names {name} twice; give each function once (weigh it with "
                              "--reward_weights)")
         functions.append(RewardFunction(name, spec, function))
     return functions
+
+
+def reward_model_scores(path: str) -> Callable:
+    """A reward model's score of each prompt and completion, as TRL scores them:
+    the conversation through the model's chat template, or the prompt's text
+    then the completion's. Its weights only: trust_remote_code stays off. A
+    copy on each rank, in float32, without gradients."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False,
+                                                               dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id  # the head pools at the last token that is not padding
+    tokenizer.padding_side = "right"
+
+    def scores(prompts, completions, completion_ids, **_) -> list[float]:
+        texts = [tokenizer.apply_chat_template(p + c, tokenize=False) if isinstance(p, list) else p + completion_text(c)
+                 for p, c in zip(prompts, completions)]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            return model(**batch).logits[:, 0].float().tolist()
+
+    scores.__name__ = Path(path).name
+    return scores
 
 
 def _user_function(spec: str) -> Callable:

@@ -26,7 +26,7 @@ class SFT(Objective):
     name = "sft"
     summary = "the text's next tokens, or the answers of chat/instruction data"
     options = RouterOptions
-    task_only = None
+    tasks = ("causal-lm", "image-classification")
 
     def check(self, cfg) -> None:
         if cfg.output_router_logits and cfg.task != "causal-lm":

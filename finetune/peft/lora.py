@@ -57,16 +57,22 @@ def require_peft(method: str) -> None:
                          f"lacks: {install}") from None
 
 
-def lora_config(r: int, alpha: float, dropout: float, target_modules: str):
+# peft's task type for each task, and the heads it trains whole beside the adapters (a reward model's score).
+PEFT_TASK_TYPES = {"causal-lm": ("CAUSAL_LM", None), "sequence-classification": ("SEQ_CLS", ["score", "classifier"])}
+
+
+def lora_config(r: int, alpha: float, dropout: float, target_modules: str, task: str = "causal-lm"):
     """peft's LoraConfig for our options: `all-linear` (every linear layer but
     the output layer and the routers, and every fused expert parameter) or
     comma-separated names of modules or parameters; `add_adapters` resolves
-    them against the model."""
+    them against the model. A sequence classifier's head trains whole."""
     require_peft("lora")
     from peft import LoraConfig
 
     targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",") if n.strip()]
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    task_type, whole = PEFT_TASK_TYPES[task]
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type,
+                      modules_to_save=whole)
 
 
 # What peft puts LoRA adapters on (and transformers' Conv1D, GPT-2's linear layer).
@@ -108,7 +114,9 @@ def resolve_targets(model: torch.nn.Module, config) -> Targets:
     routers = moe.routers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     modules = dict(model.named_modules())
-    linear = {name: m for name, m in modules.items() if is_linear(m) and m is not head and name not in routers}
+    whole = set(config.modules_to_save or ())  # trained whole: no adapters
+    linear = {name: m for name, m in modules.items() if is_linear(m) and m is not head and name not in routers
+              and name.rsplit(".", 1)[-1] not in whole}
     fused = moe.fused_expert_parameters(model)
     if isinstance(config.target_modules, str):  # all-linear
         leaves = {name.rsplit(".", 1)[-1] for name in linear}
@@ -224,9 +232,9 @@ def merged_weights(live: dict[str, tuple[torch.Size, torch.dtype]], fetch, layer
     adapted = adapted_tensors(layers)
     sources: dict[str, list[str]] = {}  # the merged model's name -> the live tensors it is made of
     for name in live:
-        if ".lora_" in name:
+        if ".lora_" in name or ".original_module." in name:  # a head trained whole: its trained copy is kept
             continue
-        merged_name = base_model_name(name)
+        merged_name = base_model_name(name.replace(f".modules_to_save.{ADAPTER_NAME}.", "."))
         sources[merged_name] = [name]
         if layer := adapted.get(name):
             sources[merged_name] += [f"{layer}.lora_A.{ADAPTER_NAME}.weight", f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
@@ -350,7 +358,7 @@ class LoRA(FullFineTune):
 
     def config(self):
         cfg = self.cfg
-        return lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+        return lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, cfg.task)
 
     def adapt_base(self, model: PreTrainedModel) -> PreTrainedModel:
         """The base as the adapters go onto it."""
@@ -371,7 +379,7 @@ class LoRA(FullFineTune):
         return adapters_disabled(model)
 
     def added_by_peft(self, name: str) -> bool:
-        return ".lora_" in name or name.startswith("lora_")
+        return ".lora_" in name or name.startswith("lora_") or f".modules_to_save.{ADAPTER_NAME}." in name
 
     # --- checkpoints ----------------------------------------------------------------------------
 

@@ -70,6 +70,10 @@ def _transformers():
 REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
     TaskEntry("causal-lm", "finetune.tasks.causal_lm:CausalLM", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING",
               tuple(GPT2_PRESETS), TEXT_FILES, generative=True, has_tokenizer=True),
+    # A reward model (--method reward): the language model's body under a one-score head.
+    TaskEntry("sequence-classification", "finetune.objectives.scored_pairs:RewardModel",
+              "AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING", (), TEXT_FILES,
+              has_tokenizer=True),
     # The lectures' recipe: Adam 1e-2 with L2 decay 1e-4, StepLR halving every
     # epoch, clipping at 0.1, accumulation 4, mini-batch 64, a checkpoint every 5 epochs.
     TaskEntry("image-classification", "finetune.tasks.image_classification:ImageClassification",

@@ -144,6 +144,10 @@ class Task:
                 self._metric = evaluate.load(str(METRICS_DIR / self.metric_name), keep_in_memory=True)
         return self._metric
 
+    def configured(self, config):
+        """--model's HF config as this task builds its model (a reward model's one-score head)."""
+        return config
+
     def pretrained_model(self, weights_here: bool = True) -> PreTrainedModel:
         """`--model` as a Hub id or a local HF model dir, refused when it is a
         model for another task; without its weights unless `weights_here`."""
@@ -153,6 +157,7 @@ class Task:
         if other is not None and not self.entry.builds(config):
             raise UsageError(f"--model {cfg.model} is for --task {other.name}, not {self.name}; "
                              f"pass --task {other.name}, or a model for --task {self.name}")
+        config = self.configured(config)
         dtype = getattr(torch, cfg.model_dtype)
         if not weights_here:
             return models.placeholder_model(config, self.entry.auto(), dtype, cfg.trust_remote_code)

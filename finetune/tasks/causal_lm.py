@@ -245,7 +245,8 @@ class CausalLM(Task):
             model = self.base_model(tokenizer, weights_here=accelerator.is_main_process or not from_main)
         else:
             if from_main:
-                config = models.load_config(self.model_source, cfg.trust_remote_code, ", ".join(self.entry.presets))
+                config = self.configured(models.load_config(self.model_source, cfg.trust_remote_code,
+                                                            ", ".join(self.entry.presets)))
                 self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto(),
                                                       cfg.trust_remote_code, getattr(torch, cfg.model_dtype))
             weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)

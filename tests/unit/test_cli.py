@@ -42,8 +42,9 @@ def test_help_is_grouped_and_offers_only_what_each_command_accepts():
     train = _cli("train", "--help").stdout
     headings = [line.rstrip(":") for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert headings[:7] == ["options", "model", "data", "training", "LoRA (--peft lora, qlora)",
-                            "mixture of experts (--method sft)", "preference data (--method dpo, simpo)"]
-    assert "online RL (--method grpo)" in headings and "DPO (--method dpo)" in headings
+                            "mixture of experts (--method sft)",
+                            "preference data (--method dpo, simpo, orpo, kto, reward)"]
+    assert "online RL (--method grpo, rloo)" in headings and "DPO (--method dpo)" in headings
     assert headings[-3:-1] == ["checkpoints and outputs", "evaluation and logging"]
     assert headings[-1].startswith("FSDP and launch (sharding, processes and precision come from `accelerate launch")
     assert "--config FILE.yaml" in train and "--config " not in _cli("resume", "--help").stdout
