@@ -19,6 +19,7 @@ from typing import ClassVar
 from finetune.errors import UsageError
 from finetune.objectives.base import Objective, PromptOptions
 from finetune.options import option
+from finetune.presets import GPT2_PRESETS
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Reward(Objective):
     metrics: ClassVar[tuple[str, ...]] = ("accuracy", "margin", "mean_reward")  # TRL's names
 
     def check(self, cfg) -> None:
+        if cfg.model in GPT2_PRESETS:
+            raise UsageError(f"--method reward puts a score head on a pretrained language model, and --model "
+                             f"{cfg.model} is a preset built from scratch; pass a model dir or Hub id (an SFT run's "
+                             "final/, for instance)")
         value = cfg.center_rewards_coefficient
         if not (value >= 0 and math.isfinite(value)):
             raise UsageError(f"--center_rewards_coefficient must be >= 0, got {value}; pass 0 (off) or e.g. 0.01")

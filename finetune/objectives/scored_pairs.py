@@ -15,10 +15,8 @@ from transformers import PreTrainedModel
 
 from finetune.backends.base import Backend
 from finetune.data.chat import pad_id
-from finetune.errors import UsageError
 from finetune.objectives.pairs import PreferenceLM
 from finetune.objectives.preference_loss import PairLosses
-from finetune.presets import GPT2_PRESETS
 from finetune.signals import NoSignal
 from finetune.tasks.base import TaskData
 from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
@@ -27,13 +25,6 @@ from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
 class RewardModel(PreferenceLM):
     name = "sequence-classification"
     metric_name = "eval_accuracy"
-
-    def __init__(self, cfg):
-        if cfg.model in GPT2_PRESETS:
-            raise UsageError(f"--method reward puts a score head on a pretrained language model, and --model "
-                             f"{cfg.model} is a preset built from scratch; pass a model dir or Hub id (an SFT run's "
-                             "final/, for instance)")
-        super().__init__(cfg)
 
     def configured(self, config):
         """One score, and the architecture saved with the model (so that exports and loaders find the head)."""

@@ -1,8 +1,10 @@
 """The objectives added beside SFT, DPO and GRPO learn under 2-process FSDP on
 CPU, each checked from the outside: ORPO and KTO widen the held-out margin of
 chosen (desirable) over rejected log-probabilities, scored from final/ with
-transformers alone; RLOO and GSPO raise the held-out reward. One set of warm
-runs, side by side."""
+transformers alone; RLOO and GSPO raise the held-out reward; a reward model
+(full and LoRA) ranks held-out pairs, and GRPO rewarded by it raises the
+score of a second reward that agrees with it. One set of warm runs, side by
+side, then the GRPO run on the reward model."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import check_ok, launches, read_jsonl, run_cli_together, train_rows
-from e2e.test_grpo import REWARDS, WORDS
+from conftest import check_ok, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
+from e2e.test_grpo import REWARDS, WORDS, a_share
 from e2e.test_preference import pairs
 from sft_models import save_chat_model, write_jsonl
 
@@ -52,12 +54,25 @@ def runs(tmp_path_factory, env) -> dict:
             "rloo": ["--method", "rloo", "--reward_weights", "10", *rollouts],
             "gspo": ["--method", "grpo", "--importance_sampling_level", "sequence", "--loss_type", "grpo",
                      *rollouts]}
+    # A reward model of the letter a: pairs of texts made of the tokenizer's own tokens, with and without it.
+    pieces = [p for p in (AutoTokenizer.from_pretrained(model).decode([i]) for i in range(300)) if p.strip().isalpha()]
+    rich, poor = [p for p in pieces if "a" in p], [p for p in pieces if "a" not in p]
+    rated = [{"prompt": row["prompt"], "chosen": [{"role": "assistant", "content": "".join(rng.choices(rich, k=5))}],
+              "rejected": [{"role": "assistant", "content": "".join(rng.choices(poor, k=5))}]}
+             for row in prompts * 2]
+    write_jsonl(root / "a-pairs.jsonl", rated[:160])
+    held_out_rated = rated[160:]
+    args["reward"] = ["--method", "reward", "--dataset", root / "a-pairs.jsonl", "--learning_rate", "3e-3",
+                      *preference, "--checkpoint_every", "16"]
+    args["reward-lora"] = ["--method", "reward", "--peft", "lora", "--dataset", root / "a-pairs.jsonl",
+                           "--learning_rate", "3e-2", *preference]
     dirs = {name: root / name for name in args}
     procs = run_cli_together([(["train", "--model", model, *COMMON, *a, "--output_dir", dirs[name]],
                                {"mixed_precision": "no"}) for name, a in args.items()], env)
     for proc in procs:
         check_ok(proc)
-    return {**dirs, "model": model, "held_out": held_out}
+    return {**dirs, "model": model, "held_out": held_out, "held_out_rated": held_out_rated, "root": root,
+            "prompts": root / "prompts.jsonl", "held_out_prompts": prompts[-16:]}
 
 
 def mean_logps(model, tokenizer, prompt: list[dict], answer: list[dict]) -> float:
@@ -106,3 +121,60 @@ def test_the_held_out_reward_rises(runs, objective):
         assert summary["objective"] == "rloo" and all("kl" in r for r in rows) and rows[-1]["kl"] != 0
     completions = read_jsonl(run / "completions.jsonl") if (run / "completions.jsonl").exists() else []
     assert completions, "completions.jsonl was written"
+
+
+def rewards_of(model_dir: Path, rows: list[dict], side: str) -> list[float]:
+    """A reward model's scores of each row's prompt and `side`, with transformers alone."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    scores = []
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["prompt"] + row[side], tokenize=True, return_dict=False)
+        with torch.no_grad():
+            scores.append(float(model(torch.tensor([ids])).logits[0, 0]))
+    return scores
+
+
+@pytest.mark.parametrize("name", ["reward", "reward-lora"])
+def test_a_reward_model_ranks_held_out_pairs_and_exports_as_a_sequence_classifier(runs, name, tmp_path):
+    run = runs[name]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["objective"] == "reward" and summary["task"] == "sequence-classification"
+    chosen, rejected = (rewards_of(run / "final", runs["held_out_rated"], side) for side in ("chosen", "rejected"))
+    accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
+    assert accuracy >= 0.9, accuracy
+    assert summary["last_eval"]["eval_accuracy"] >= 0.9
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForSequenceClassification")
+    assert len(config["id2label"]) == 1  # one score
+    if name == "reward":  # the checkpoint exports as final/ is: the same scores
+        check_ok(run_in_process("export", run / "checkpoints" / "step_000016", "--output", tmp_path / "exported"))
+        assert rewards_of(tmp_path / "exported", runs["held_out_rated"][:4], "chosen") == pytest.approx(chosen[:4],
+                                                                                                       abs=1e-5)
+
+
+def test_grpo_rewarded_by_the_reward_model_raises_a_reward_that_agrees(runs, env):
+    """The reward model's final/ as GRPO's --reward_funcs (no code from it): the
+    policy's held-out greedy answers carry more of the letter a, as a_share
+    (the reward the model learnt from pairs) scores them with transformers alone."""
+    run = runs["root"] / "grpo-on-rm"
+    check_ok(run_cli(["train", "--model", runs["model"], *COMMON, "--method", "grpo", "--dataset", runs["prompts"],
+                      "--reward_funcs", runs["reward"] / "final", "--num_generations", "4",
+                      "--per_device_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "2e-2",
+                      "--max_eval_samples", "16", "--max_steps", "16", "--output_dir", run], env,
+                     mixed_precision="no", warm=True))
+    assert "rewards/final/mean" in train_rows(run)[-1]
+
+    def held_out_share(model_dir) -> float:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        shares = []
+        for row in runs["held_out_prompts"]:
+            ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            shares.append(a_share(tokenizer.decode(out[0, ids.size(1):], skip_special_tokens=True)))
+        return sum(shares) / len(shares)
+
+    assert held_out_share(run / "final") > held_out_share(runs["model"]) + 0.1
