@@ -9,6 +9,7 @@ markdown table and JSON.
     python scripts/bench.py --suite startup [--rounds 3] [--baseline_ref REF]
     python scripts/bench.py --suite lora [--model gpt2-small] [--lora_r 16]   # QLoRA too on a GPU
     python scripts/bench.py --suite dpo [--model gpt2-small]   # against TRL's DPOTrainer: pip install trl
+    python scripts/bench.py --suite kto|reward [--model gpt2-small]   # against TRL's KTOTrainer, RewardTrainer
     python scripts/bench.py --suite data [--model tiny-gpt2] [--data_workers 2]   # the stream against training
     python scripts/bench.py --suite grpo [--model small-gpt2]   # against TRL's GRPOTrainer: pip install trl
     python scripts/bench.py --suite moe      # a tiny Qwen3-MoE, against TRL's SFTTrainer: pip install trl
@@ -98,6 +99,7 @@ runs `--quick --suite configs --only single` so this script cannot rot).
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import gc
 import gzip
@@ -754,16 +756,32 @@ def preference_model_and_pairs(args, root: Path, count: int = 256) -> tuple[Path
     return model_dir, data
 
 
-def suite_dpo(args) -> tuple[list[dict], str]:
-    """Full DPO, 2 processes under fsdp.yaml, same model, pairs, batch and
-    steps: our loop (reference sharded as the policy; and with the reference
-    precomputed) against TRL's DPOTrainer (`pip install trl`, a bench-only
-    dependency) under the same launch."""
+# Each preference suite: our objective, the rows it reads (from the pairs), its cases, TRL's trainer.
+PREFERENCE_SUITES = {
+    "dpo": ("DPO", "pairs", ["finetune DPO", "finetune DPO, precomputed reference"], "DPOTrainer"),
+    "kto": ("KTO", "labelled completions", ["finetune KTO"], "KTOTrainer"),
+    "reward": ("reward model", "pairs", ["finetune reward model"], "RewardTrainer"),
+}
+
+
+def suite_preference(args, objective: str) -> tuple[list[dict], str]:
+    """Full DPO, KTO or a reward model, 2 processes under fsdp.yaml, same model,
+    data, batch and steps: our loop (DPO: its reference sharded as the policy,
+    and precomputed) against TRL's trainer (`pip install trl`, a bench-only
+    dependency) under the same launch. KTO reads each pair as its two labelled
+    completions."""
+    name, rows_name, our_cases, trainer = PREFERENCE_SUITES[objective]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = preference_model_and_pairs(args, Path(tmp))
-        ours_args = ["--model", str(model_dir), "--dataset", str(data), "--method", "dpo", "--max_steps", str(args.steps),
-                     "--block_size", str(args.block_size), "--per_device_batch_size", str(args.batch),
-                     "--max_eval_batches", "1", "--sample_prompt", ""]
+        if objective == "kto":
+            pairs = [json.loads(line) for line in data.read_text().splitlines()]
+            data = Path(tmp) / "unpaired.jsonl"
+            data.write_text("".join(json.dumps({"prompt": p["prompt"], "completion": p[side],
+                                                "label": side == "chosen"}) + "\n"
+                                    for p in pairs for side in ("chosen", "rejected")))
+        ours_args = ["--model", str(model_dir), "--dataset", str(data), "--method", objective,
+                     "--max_steps", str(args.steps), "--block_size", str(args.block_size),
+                     "--per_device_batch_size", str(args.batch), "--max_eval_batches", "1", "--sample_prompt", ""]
 
         def run_case(case: str, round_index: int) -> dict:
             print(f"[bench] {case}, fsdp.yaml, 2 processes", flush=True)
@@ -771,8 +789,9 @@ def suite_dpo(args) -> tuple[list[dict], str]:
             if case.startswith("TRL"):
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                        str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_dpo.py"), str(model_dir), str(data),
-                       str(run_dir), str(args.batch), str(args.steps), str(args.block_size), args.mixed_precision]
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_preference.py"), objective,
+                       str(model_dir), str(data), str(run_dir), str(args.batch), str(args.steps), str(args.block_size),
+                       args.mixed_precision]
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
                 if proc.returncode != 0:
                     error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
@@ -784,32 +803,30 @@ def suite_dpo(args) -> tuple[list[dict], str]:
                         "local_params_per_rank": [r["local_params"] for r in ranks]}
             extra = ["--precompute_reference"] if "precomputed" in case else []
             launch("fsdp.yaml", 2, [*ours_args, *extra, "--output_dir", str(run_dir)], args.mixed_precision)
-            summary = json.loads((run_dir / "summary.json").read_text())
-            return {"case": case, **measure(run_dir), "reference_params_per_rank": summary["reference_params_per_rank"]}
+            return {"case": case, **measure(run_dir)}
 
-        cases = ["finetune DPO", "finetune DPO, precomputed reference", "TRL DPOTrainer"]
-        results = fastest_rounds(cases, run_case, args.rounds)
+        results = fastest_rounds([*our_cases, f"TRL {trainer}"], run_case, args.rounds)
     ours = results[0]
-    pairs_per_step = 2 * args.batch
-    tokens_per_pair = ours["tokens_per_sec"] * ours["step_time_s"] / pairs_per_step
-    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} pairs of the built-in preference set as "
+    rows_per_step = 2 * args.batch
+    tokens_per_row = ours["tokens_per_sec"] * ours["step_time_s"] / rows_per_step
+    lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} {rows_name} of the built-in preference set as "
              f"strings (at most {args.block_size} tokens a sequence), fsdp.yaml, {args.mixed_precision}, "
              f"fastest of {args.rounds} round(s); memory in bytes per rank", "",
-             "| case | layout | step time (s) | pairs/s | tokens/s | peak memory per rank | vs TRL (pairs/s) |",
+             f"| case | layout | step time (s) | {rows_name}/s | tokens/s | peak memory per rank | vs TRL ({rows_name}/s) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     trl = results[-1]
     for r in results:
         if r.get("failed"):
             lines.append(f"| {r['case']} | | failed: {r['failed']} | | | | |")
             continue
-        pairs_per_sec = pairs_per_step / r["step_time_s"]
+        rows_per_sec = rows_per_step / r["step_time_s"]
         versus = (f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-")
         layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
-        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {pairs_per_sec:.1f} | "
-                     f"{pairs_per_sec * tokens_per_pair:,.0f} | "
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {rows_per_sec:.1f} | "
+                     f"{rows_per_sec * tokens_per_row:,.0f} | "
                      f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {versus} |")
-    lines += ["", "tokens/s: pairs/s times the tokens of a pair as our run counted them (prompt twice, both completions); "
-                  "step time: the median, between step ends, after the first steps"]
+    lines += ["", f"tokens/s: {rows_name}/s times the tokens of one as our run counted them; step time: the median, "
+                  f"between step ends, after the first steps; {name}"]
     return results, "\n".join(lines)
 
 
@@ -1053,8 +1070,8 @@ def suite_startup(args) -> tuple[list[dict], str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "data",
-                                            "grpo", "moe"],
+    parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "kto",
+                                            "reward", "data", "grpo", "moe"],
                         default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
@@ -1089,7 +1106,8 @@ def main() -> None:
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora, "dpo": suite_dpo, "data": suite_data, "grpo": suite_grpo, "moe": suite_moe}
+              "lora": suite_lora, "data": suite_data, "grpo": suite_grpo, "moe": suite_moe,
+              **{name: functools.partial(suite_preference, objective=name) for name in PREFERENCE_SUITES}}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8
     out = Path(args.output_dir)
