@@ -373,12 +373,15 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
             raise UsageError(f"--dataset_weights gives {rare} a share of {min(weights) / sum(weights):.3g}: under "
                              "--mixture_stop all_exhausted every source must run out, and one drawn that rarely "
                              "never would; raise its weight, drop the source, or stop at first_exhausted")
-        if len(sources) > 1 and (self.task != "causal-lm" or self.objective != "sft"):
-            raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method sft; train "
-                             f"{self.task if self.task != 'causal-lm' else '--method ' + self.objective} on one "
+        objective = OBJECTIVE_REGISTRY.get(self.objective)
+        mixing = [name for name, o in OBJECTIVE_REGISTRY.items() if o.reads_mixtures]
+        plain = self.task == "causal-lm" and (objective is None or objective.reads_mixtures)
+        if len(sources) > 1 and not plain:
+            raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method {one_of(mixing)}; "
+                             f"train {self.task if self.task != 'causal-lm' else '--method ' + self.objective} on one "
                              "--dataset")
-        if self.streaming and (self.task != "causal-lm" or self.objective != "sft"):
-            raise UsageError(f"--streaming is for --task causal-lm --method sft; train "
+        if self.streaming and not plain:
+            raise UsageError(f"--streaming is for --task causal-lm --method {one_of(mixing)}; train "
                              f"{self.task if self.task != 'causal-lm' else '--method ' + self.objective} without it")
         if self.streaming and self.max_steps == 0:
             raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by; pass "

@@ -540,6 +540,12 @@ def stand_in(placeholder: str, work: Path) -> None:
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
+    elif "reward-model" in name:  # a reward model's dir: the chat model under a one-score head
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        save_chat_model(path)
+        AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).save_pretrained(path)
+        AutoTokenizer.from_pretrained(path).save_pretrained(path)
     elif "moe" in name.lower():  # a mixture of experts, as the MoE page's commands need one
         from sft_models import save_family_model
 

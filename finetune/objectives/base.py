@@ -59,6 +59,7 @@ class Objective:
     sequences_per_row: ClassVar[int] = 1
     samples: ClassVar[bool] = False
     tasks: ClassVar[tuple[str, ...]] = ("causal-lm",)  # the --task values it trains (the first: its default)
+    reads_mixtures: ClassVar[bool] = False      # several --dataset sources, or a --streaming one
 
     @classmethod
     def sections(cls) -> tuple[type, ...]:
@@ -111,7 +112,6 @@ class PairObjective(Objective):
         raise NotImplementedError
 
 
-GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's names and formulas
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL's: per token (GRPO), or the sequence's mean (GSPO)
 
 

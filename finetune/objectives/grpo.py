@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.objectives.base import GRPO_LOSSES, RolloutObjective
+from finetune.objectives.base import RolloutObjective
 from finetune.options import option
 
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo", "bnpo")  # TRL's names and formulas
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's: the std the advantages are divided by
 
 

@@ -27,6 +27,7 @@ class SFT(Objective):
     summary = "the text's next tokens, or the answers of chat/instruction data"
     options = RouterOptions
     tasks = ("causal-lm", "image-classification")
+    reads_mixtures = True
 
     def check(self, cfg) -> None:
         if cfg.output_router_logits and cfg.task != "causal-lm":

@@ -288,6 +288,24 @@ CASES = {
     "a chat template file that does not exist": (
         lambda t: [*_chat_model(t), *_chat_rows(t, {"messages": ANSWERED}), "--chat_template", str(t / "none.jinja")],
         "none.jinja does not exist; pass a Jinja template file"),
+    "ORPO with a reference model": (lambda t: ["--method", "orpo", "--reference_model", "tiny-gpt2"],
+                                    "--reference_model is read by --method dpo, kto, grpo or rloo, not by --method orpo"),
+    "GSPO's sequence ratio for DPO": (lambda t: ["--method", "dpo", "--importance_sampling_level", "sequence"],
+                                      "--importance_sampling_level is read by --method grpo or rloo"),
+    "KTO data without labels": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, *[{"prompt": "say a\n", "completion": "a"}] * 8), "--method", "kto"],
+        "--method kto trains on unpaired completions labelled desirable or not (prompt/completion/label), and "
+        "--dataset DIR/chat.jsonl has no column(s) label"),
+    "KTO data of one label": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, *[{"prompt": f"say {w}\n", "completion": w, "label": True}
+                                                      for w in "abcdefgh"]), "--method", "kto"],
+        "every training completion is desirable (label true)"),
+    "a causal LM's dir as a reward model": (
+        lambda t: [*_chat_model(t), *_chat_rows(t, {"prompt": [{"role": "user", "content": "say a"}]}), "--method",
+                   "grpo", "--reward_funcs", str(t / "chat-model")],
+        "is a model dir of LlamaForCausalLM, not a reward model"),
+    "a reward model on a preset built from scratch": (lambda t: ["--method", "reward"],
+                                                      "--method reward puts a score head on a pretrained"),
 }
 
 
