@@ -71,12 +71,11 @@ class UnpairedLM(PreferenceLM):
         matched = {key: batch[key][:rows] for key in ROW_KEYS}
         mismatched = {key: batch[key][rows:] for key in ROW_KEYS}
         policy = completion_logps(model, matched)
-
-        def scored(scorer) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return (completion_logps(scorer, matched),
-                    completion_logps(scorer, mismatched) if self.objective.uses_kl(self.cfg) else None)
-
-        reference, reference_kl = self.with_reference(model, scored)
+        uses_kl = self.objective.uses_kl(self.cfg)
+        # The reference scores the rows and the mismatched rows in one forward (one gather of a sharded copy).
+        scored = self.with_reference(model, lambda scorer: completion_logps(
+            scorer, {key: batch[key] for key in ROW_KEYS} if uses_kl else matched))
+        reference, reference_kl = scored[:rows], scored[rows:] if uses_kl else None
         kl = torch.zeros((), device=policy.device)
         if reference_kl is not None:
             with torch.no_grad():

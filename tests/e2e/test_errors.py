@@ -294,8 +294,7 @@ CASES = {
                                       "--importance_sampling_level is read by --method grpo or rloo"),
     "KTO data without labels": (
         lambda t: [*_chat_model(t), *_chat_rows(t, *[{"prompt": "say a\n", "completion": "a"}] * 8), "--method", "kto"],
-        "--method kto trains on unpaired completions labelled desirable or not (prompt/completion/label), and "
-        "--dataset DIR/chat.jsonl has no column(s) label"),
+        "--method kto trains on unpaired completions labelled desirable or not (prompt/completion/label)"),
     "KTO data of one label": (
         lambda t: [*_chat_model(t), *_chat_rows(t, *[{"prompt": f"say {w}\n", "completion": w, "label": True}
                                                       for w in "abcdefgh"]), "--method", "kto"],
