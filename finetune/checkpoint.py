@@ -140,7 +140,7 @@ def check_resumable(cfg: TrainConfig, checkpoint: Path, num_processes: int | Non
     starts (on `num_processes` ranks), after preflight.check_resume: the
     checkpoint's files read safely, the frozen reference, whether its layout
     resumes on that many ranks, and the base under its adapters."""
-    from finetune.tasks.base import build_task
+    from finetune.objectives import build_task
 
     progress = check_checkpoint_files(checkpoint)
     task = build_task(cfg)

@@ -154,7 +154,7 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
 
 def run_task(checkpoint_dir: Path, base_model: str | None, trust_remote_code: bool):
     """The task of the run that wrote a checkpoint, which builds its base (or --model's)."""
-    from finetune.tasks.base import build_task
+    from finetune.objectives import build_task
 
     overrides = {"model": base_model} if base_model else {}
     cfg = load_config(checkpoint_dir / "run_config.yaml",

@@ -57,7 +57,8 @@ from finetune.report import (build_trackers, run_summary, evaluation_line, group
                              read_evaluations, read_metrics, say, step_line, truncate_metrics, write_summary)
 from finetune.stopping import StopSignals
 from finetune.tasks import check_preset_task
-from finetune.tasks.base import Task, TaskData, build_task
+from finetune.objectives import build_task
+from finetune.tasks.base import Task, TaskData
 
 
 LONG_EVALUATION_BATCHES = 500  # an evaluation this long is said before it starts

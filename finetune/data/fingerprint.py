@@ -12,12 +12,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from finetune.objectives.rewards import reward_file
 from finetune.data.locations import glob_matches
 from finetune.errors import UsageError
 
 # The options that name files the run reads; their values are recorded as absolute paths.
 INPUT_OPTIONS = ("dataset", "chat_template")
+
+
+def reward_file(spec: str) -> Path | None:
+    """The file a --reward_funcs FILE.py:NAME is read from (None for a module, a built-in or a model dir)."""
+    where = spec.rpartition(":")[0]
+    return Path(where) if where.endswith(".py") else None
 
 
 def local_path(value: str) -> Path | None:

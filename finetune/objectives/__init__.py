@@ -10,6 +10,8 @@ without importing torch.
 
 from __future__ import annotations
 
+import importlib
+
 from finetune.objectives import dpo, grpo, kto, orpo, reward_model, rloo, sft, simpo
 from finetune.objectives.base import Objective
 from finetune.options import readers
@@ -29,3 +31,11 @@ SECTIONS = tuple(dict.fromkeys(section for objective in REGISTRY.values() for se
 def recorded_objective(config: dict) -> str:
     """The objective a recorded run config names (`method:` before it was `objective:`)."""
     return str(config.get("objective") or config.get("method") or DEFAULT)
+
+
+def build_task(cfg):
+    """The run's Task (finetune/tasks/base.py): its objective's, or the task's own for SFT."""
+    from finetune.tasks import REGISTRY as TASKS
+
+    module, name = (REGISTRY[cfg.objective].task_class or TASKS[cfg.task].task_class).split(":")
+    return getattr(importlib.import_module(module), name)(cfg)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from finetune.data.fingerprint import reward_file
 from finetune.errors import UsageError, not_a_file
 from finetune.stopping import stop_requested
 
@@ -113,12 +114,6 @@ def check_reward_model(spec: str) -> None:
         scores = f" with {labels} labels" if classifier else ""
         raise UsageError(f"--reward_funcs {spec} is a model dir of {saved_as}{scores}, not a reward model (a sequence "
                          "classifier with one score); train one with --method reward, or name a reward function")
-
-
-def reward_file(spec: str) -> Path | None:
-    """The file a FILE.py:NAME reward is read from (None for a module or a built-in)."""
-    where = spec.rpartition(":")[0]
-    return Path(where) if where.endswith(".py") else None
 
 
 def absolute_reward(spec: str) -> str:

@@ -6,7 +6,6 @@ finetune/tasks/__init__.py.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -20,7 +19,6 @@ from finetune import models
 from finetune.backends.base import Backend
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
-from finetune.objectives import REGISTRY as OBJECTIVES
 from finetune.peft import peft_for
 from finetune.signals import NoSignal, zero_gradient
 from finetune.tasks import REGISTRY, TaskEntry, task_for_config
@@ -163,10 +161,3 @@ class Task:
             return models.placeholder_model(config, self.entry.auto(), dtype, cfg.trust_remote_code)
         return models.load_pretrained(self.model_source, self.entry.auto(), config, cfg.trust_remote_code, presets,
                                       dtype=dtype)
-
-
-def build_task(cfg: TrainConfig) -> Task:
-    """The task, trained with its own loss or with the objective's (finetune/objectives)."""
-    task_class = OBJECTIVES[cfg.objective].task_class or REGISTRY[cfg.task].task_class
-    module, name = task_class.split(":")
-    return getattr(importlib.import_module(module), name)(cfg)

@@ -12,10 +12,20 @@ import torch
 from finetune.config import TrainConfig
 from finetune.objectives import grpo_loss
 from finetune.objectives.rollouts import RolloutLM
-from tests.unit.test_objectives_grpo import (COMPLETION_LENGTH, GROUPS, fixed_rollout, grpo_task, model,  # noqa: F401
-                                             moved, tokenizer)
+from tests.sft_models import chat_tokenizer, conversations, tiny_llama
+from tests.unit.test_objectives_grpo import COMPLETION_LENGTH, GROUPS, fixed_rollout, grpo_task, moved
 
 EPSILON = (0.2, 0.28)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer([m["content"] for row in conversations(60) for m in row["messages"]])
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(tokenizer)
 
 
 def rollout_task(tokenizer, objective: str, **options) -> RolloutLM:

@@ -39,7 +39,7 @@ def test_from_the_first_step_only_counts_a_run_that_starts_there():
 
 def test_each_objective_names_its_own_checks():
     from finetune.config import TrainConfig
-    from finetune.tasks.base import build_task
+    from finetune.objectives import build_task
 
     def metrics(**kw):
         return [c.metric for c in build_task(TrainConfig(**kw)).no_signal_checks()]
