@@ -2,7 +2,7 @@
 
 Each objective is a class in its own module that owns its options, data
 format, loss, reference, learning rates and planner rule (base.py says what
-it answers); adding one means that module and its name in the line below.
+it answers); adding one means that module, imported and named below.
 Families share a Task: the preference pairs' (pairs.py) and the rollouts'
 (rollouts.py). Light on purpose: the config and the command line read it
 without importing torch.

@@ -2,7 +2,7 @@
 objectives read.
 
 An objective is a class in its own module (sft.py, dpo.py, ...), registered
-by one line in __init__.py. It owns its option section (a dataclass whose
+in __init__.py by its import and its name in the registry. It owns its option section (a dataclass whose
 fields are its flags), the sections it shares with others, its data format,
 the Task that trains it, its loss, its learning rates, whether it holds a
 frozen reference, and what the planner counts for it. Light on purpose: the
