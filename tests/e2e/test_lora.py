@@ -405,8 +405,8 @@ def test_qlora_outside_fsdp2_is_one_line(tmp_path, env, small_corpus, gpt2_dir):
 
 @pytest.mark.parametrize("options, message", [
     (["--peft", "lora", "--lora_r", "0"], "--lora_r must be > 0"),
-    (["--lora_r", "4"], "add --peft lora"),
-    (["--peft", "lora", "--task", "image-classification"], "for --task causal-lm"),
+    (["--lora_r", "4"], "--lora_r is read by --peft lora or qlora, not by --peft none; drop --lora_r, or pass --peft lora"),
+    (["--peft", "lora", "--task", "image-classification"], "--peft lora is for language models"),
     (["--peft", "lora", "--lora_target_modules", "ln_f", "--max_steps", "1"], "names ln_f, a LayerNorm, which takes no"),
 ])
 def test_lora_option_errors(options, message, tmp_path):
