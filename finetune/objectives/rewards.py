@@ -177,6 +177,9 @@ def reward_model_scores(path: str) -> Callable:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from finetune.models import check_model_files
+
+    check_model_files(Path(path), f"--reward_funcs {path}")  # whole safetensors files, never a pickle
     model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=False,
                                                                dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
