@@ -141,19 +141,24 @@ def fit_pair(pair: dict, block_size: int, max_prompt_length: int, long_examples:
     return pair
 
 
+def encoded_rows(split: Dataset, encoder, desc: str, num_proc: int = 0) -> Dataset:
+    """`encoder.encode(row, index)` of every row (a dict of token lists), through datasets' map."""
+    def encode(batch, indices):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
+        return {key: [e[key] for e in encoded] for key in encoded[0]} if encoded else {}
+
+    return split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names, desc=desc,
+                     num_proc=num_proc or None)
+
+
 def build_pair_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, block_size: int, max_prompt_length: int,
                       long_examples: str, num_proc: int = 0) -> tuple[DatasetDict, str]:
     """A row per pair for every split, and a one-line description of them."""
     encoder = PairEncoder(tokenizer)
     out, notes, numbered = {}, [], 0
     for name, split in raw.items():
-        def encode(batch, indices):
-            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-            encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
-            return {key: [e[key] for e in encoded] for key in encoded[0]} if encoded else {}
-
-        tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names,
-                           desc=f"rendering {name} preference pairs", num_proc=num_proc or None)
+        tokens = encoded_rows(split, encoder, f"rendering {name} preference pairs", num_proc)
         stats = PairStats()
         kept = [pair for row in tokens
                 if (pair := fit_pair(row, block_size, max_prompt_length, long_examples, stats)) is not None]

@@ -18,7 +18,7 @@ from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.chat import EXAMPLE_NUMBER, IGNORE, PadCollator, check_messages, counted, well_formed_messages
-from finetune.data.preference import PairEncoder, prompt_length
+from finetune.data.preference import PairEncoder, encoded_rows, prompt_length
 from finetune.errors import UsageError
 
 
@@ -94,13 +94,7 @@ def build_unpaired_splits(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, 
     encoder = UnpairedEncoder(tokenizer)
     out, notes = {}, []
     for name, split in raw.items():
-        def encode(batch, indices):
-            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-            encoded = [encoder.encode(row, i) for row, i in zip(rows, indices)]
-            return {key: [e[key] for e in encoded] for key in encoded[0]} if encoded else {}
-
-        tokens = split.map(encode, batched=True, with_indices=True, remove_columns=split.column_names,
-                           desc=f"rendering {name} completions", num_proc=num_proc or None)
+        tokens = encoded_rows(split, encoder, f"rendering {name} completions", num_proc)
         stats = UnpairedStats()
         kept = [fitted for row in tokens
                 if (fitted := fit_row(row, block_size, max_prompt_length, long_examples, stats)) is not None]
