@@ -2,7 +2,9 @@
 CPU, each checked from the outside: ORPO and KTO widen the held-out margin of
 chosen (desirable) over rejected log-probabilities, scored from final/ with
 transformers alone; RLOO and GSPO raise the held-out reward; a reward model
-(full and LoRA) ranks held-out pairs, and GRPO takes its scores as rewards.
+(full and LoRA) ranks held-out pairs, and GRPO on its scores raises a second
+reward that agrees with it. Held-out rewards are of completions sampled from
+final/ with transformers alone.
 One set of warm runs, side by side, then the GRPO run on the reward model."""
 
 from __future__ import annotations
@@ -53,26 +55,44 @@ def runs(tmp_path_factory, env) -> dict:
             "rloo": ["--method", "rloo", "--reward_weights", "10", *rollouts],
             "gspo": ["--method", "grpo", "--importance_sampling_level", "sequence", "--loss_type", "grpo",
                      *rollouts]}
-    # A reward model of the letter a: pairs of texts made of the tokenizer's own tokens, with and without it.
-    pieces = [p for p in (AutoTokenizer.from_pretrained(model).decode([i]) for i in range(300)) if p.strip().isalpha()]
-    rich, poor = [p for p in pieces if "a" in p], [p for p in pieces if "a" not in p]
-    rated = [{"prompt": row["prompt"], "chosen": [{"role": "assistant", "content": "".join(rng.choices(rich, k=5))}],
-              "rejected": [{"role": "assistant", "content": "".join(rng.choices(poor, k=5))}]}
+    # Reward models of the letter a, on pairs with and without it. The full one is GRPO's reward below, so it learns
+    # on what the policy samples at first: 8 of the model's own tokens, 2-5 of them holding an a against none
+    # (on words of a-pieces alone, its scores of the policy's samples barely differed). The LoRA one learns words
+    # of tokenizer pieces: on the 8-token pairs it ranked 0.4-0.84 over seeds 0-3.
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokens = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    rich, poor = [i for i in tokens if "a" in tokenizer.decode([i])], [i for i in tokens if "a" not in tokenizer.decode([i])]
+
+    def sampled_like(holding_a: int) -> list[dict]:
+        ids = rng.choices(rich, k=holding_a) + rng.choices(poor, k=8 - holding_a)
+        rng.shuffle(ids)
+        return [{"role": "assistant", "content": tokenizer.decode(ids)}]
+
+    rated = [{"prompt": row["prompt"], "chosen": sampled_like(rng.randint(2, 5)), "rejected": sampled_like(0)}
              for row in prompts * 2]
+    pieces = [p for p in (tokenizer.decode([i]) for i in range(300)) if p.strip().isalpha()]
+    rich_pieces, poor_pieces = [p for p in pieces if "a" in p], [p for p in pieces if "a" not in p]
+    worded = [{"prompt": row["prompt"],
+               "chosen": [{"role": "assistant", "content": "".join(rng.choices(rich_pieces, k=5))}],
+               "rejected": [{"role": "assistant", "content": "".join(rng.choices(poor_pieces, k=5))}]}
+              for row in prompts * 2]
     write_jsonl(root / "a-pairs.jsonl", rated[:160])
-    held_out_rated = rated[160:]
-    args["reward"] = ["--method", "reward", "--dataset", root / "a-pairs.jsonl", "--learning_rate", "3e-3",
-                      *preference, "--checkpoint_every", "16"]
-    # LoRA at 1e-2 for 24 steps held-out accuracy >= 0.94 over seeds 0-7; at 3e-2 for 16 it fell to 0.78.
-    args["reward-lora"] = ["--method", "reward", "--peft", "lora", "--dataset", root / "a-pairs.jsonl",
+    write_jsonl(root / "a-words.jsonl", worded[:160])
+    # Full: ranked all 32 held-out pairs over seeds 0-6. LoRA: at least 0.94 over seeds 0-7 at 1e-2 for 24 steps.
+    args["reward"] = ["--method", "reward", "--dataset", root / "a-pairs.jsonl", "--learning_rate", "1e-2",
+                      "--per_device_batch_size", "4", "--max_steps", "32", "--checkpoint_every", "32"]
+    args["reward-lora"] = ["--method", "reward", "--peft", "lora", "--dataset", root / "a-words.jsonl",
                            "--learning_rate", "1e-2", "--per_device_batch_size", "4", "--max_steps", "24"]
     dirs = {name: root / name for name in args}
     procs = run_cli_together([(["train", "--model", model, *COMMON, *a, "--output_dir", dirs[name]],
                                {"mixed_precision": "no"}) for name, a in args.items()], env)
     for proc in procs:
         check_ok(proc)
-    return {**dirs, "model": model, "held_out": held_out, "held_out_rated": held_out_rated, "root": root,
-            "prompts": root / "prompts.jsonl", "held_out_prompts": prompts[-16:]}
+    held_out_prompts = [{"prompt": [{"role": "user", "content": f"say {' '.join(rng.choices(WORDS, k=3))}"}]}
+                        for _ in range(16)]
+    return {**dirs, "model": model, "held_out": held_out, "root": root, "prompts": root / "prompts.jsonl",
+            "held_out_rated": {"reward": rated[160:], "reward-lora": worded[160:]},
+            "held_out_prompts": held_out_prompts}
 
 
 def mean_logps(model, tokenizer, prompt: list[dict], answer: list[dict]) -> float:
@@ -112,8 +132,11 @@ def test_the_preference_is_learnt_as_transformers_scores_the_final_model(runs, o
 def test_the_held_out_reward_rises(runs, objective):
     run = runs[objective]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.2, (summary["first_eval"],
-                                                                                      summary["last_eval"])
+    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"], (summary["first_eval"],
+                                                                                summary["last_eval"])
+    # The run's eval is one greedy completion per prompt: its rise varied (+0.19 to +0.47) with the random model.
+    base, trained = a_share(runs["model"], runs["held_out_prompts"]), a_share(run / "final", runs["held_out_prompts"])
+    assert trained > base + 0.1, (base, trained)
     rows = train_rows(run)
     first, last = (sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
     assert last > first + 0.1, [round(r["reward"], 3) for r in rows]
@@ -140,7 +163,7 @@ def test_a_reward_model_ranks_held_out_pairs_and_exports_as_a_sequence_classifie
     run = runs[name]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["objective"] == "reward" and summary["task"] == "sequence-classification"
-    chosen, rejected = (rewards_of(run / "final", runs["held_out_rated"], side) for side in ("chosen", "rejected"))
+    chosen, rejected = (rewards_of(run / "final", runs["held_out_rated"][name], side) for side in ("chosen", "rejected"))
     accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
     assert accuracy >= 0.8, accuracy  # of 32 held-out pairs; chance would rank 16
     assert summary["last_eval"]["eval_accuracy"] >= 0.75  # of the 8 pairs the run held out
@@ -148,24 +171,46 @@ def test_a_reward_model_ranks_held_out_pairs_and_exports_as_a_sequence_classifie
     assert config["architectures"][0].endswith("ForSequenceClassification")
     assert len(config["id2label"]) == 1  # one score
     if name == "reward":  # the checkpoint exports as final/ is: the same scores
-        check_ok(run_in_process("export", run / "checkpoints" / "step_000016", "--output", tmp_path / "exported"))
-        assert rewards_of(tmp_path / "exported", runs["held_out_rated"][:4], "chosen") == pytest.approx(chosen[:4],
+        check_ok(run_in_process("export", run / "checkpoints" / "step_000032", "--output", tmp_path / "exported"))
+        assert rewards_of(tmp_path / "exported", runs["held_out_rated"][name][:4], "chosen") == pytest.approx(chosen[:4],
                                                                                                        abs=1e-5)
 
 
-def test_grpo_is_rewarded_by_the_reward_models_scores(runs, env):
-    """The reward model's final/ as GRPO's --reward_funcs (no code from it): its
-    scores are each completion's reward, told apart within the groups. (That
-    GRPO on it raises a second, agreeing reward is not held here: it did in 3
-    runs of 4, too few to be a test.)"""
+def a_share(model_dir: Path, prompts: list[dict]) -> float:
+    """The mean share of the letter a in 4 sampled completions (8 tokens at
+    temperature 1) of each prompt: transformers alone, a fixed torch seed."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(0)
+    shares = []
+    for row in prompts:
+        context = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([context] * 4), do_sample=True, max_new_tokens=8, top_p=1.0, top_k=0,
+                                 temperature=1.0, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, len(context):], skip_special_tokens=True)
+        shares += [text.count("a") / max(len(text), 1) for text in texts]
+    return sum(shares) / len(shares)
+
+
+def test_grpo_on_the_reward_model_raises_a_second_reward_that_agrees(runs, env):
+    """The reward model's final/ as GRPO's --reward_funcs (no code from it),
+    beside the share of the letter a at weight 0, logged and not trained on:
+    the policy the model's scores train writes more a's, on held-out prompts
+    sampled with transformers alone."""
     run = runs["root"] / "grpo-on-rm"
     check_ok(run_cli(["train", "--model", runs["model"], *COMMON, "--method", "grpo", "--dataset", runs["prompts"],
-                      "--reward_funcs", runs["reward"] / "final", "--num_generations", "4",
-                      "--per_device_batch_size", "8", "--max_completion_length", "8", "--learning_rate", "2e-2",
-                      "--max_eval_samples", "16", "--max_steps", "4", "--output_dir", run], env,
-                     mixed_precision="no", warm=True))
+                      "--reward_funcs", runs["reward"] / "final", f"{runs['root'] / 'rewards.py'}:a_rich",
+                      "--reward_weights", "1", "0", "--num_generations", "4", "--per_device_batch_size", "8",
+                      "--max_completion_length", "8", "--learning_rate", "2e-2", "--max_eval_samples", "16",
+                      "--max_steps", "16", "--output_dir", run], env, mixed_precision="no", warm=True))
     rows = train_rows(run)
-    assert all("rewards/final/mean" in row for row in rows)
     assert all(row["frac_reward_zero_std"] < 1 for row in rows)  # the model's scores differ within a group
+    assert all(row["reward"] == pytest.approx(row["rewards/final/mean"]) for row in rows)  # a weight of 0
+    first, last = (sum(r["rewards/a_rich/mean"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
+    assert last > 2 * first, [round(r["rewards/a_rich/mean"], 3) for r in rows]
+    base, trained = a_share(runs["model"], runs["held_out_prompts"]), a_share(run / "final", runs["held_out_prompts"])
+    assert trained > base + 0.05, (base, trained)  # +0.12 to +0.21 over 4 random models
     sampled = read_jsonl(run / "completions.jsonl")[0]
     assert isinstance(sampled["rewards/final"], float) and sampled["rewards/final"] != 0
