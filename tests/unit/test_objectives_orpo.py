@@ -1,10 +1,11 @@
 """ORPO's loss and metrics (finetune/objectives/orpo.py) for a fixed batch of
 pairs: against a computation written here from the paper's formula with
 transformers alone (each sequence scored on its own, unpadded), and against
-TRL's ORPOTrainer scoring the same batch with the same model."""
+TRL's ORPOTrainer's first step on the same model and rows."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -84,23 +85,26 @@ def test_orpo_loss_and_metrics_equal_the_formula_with_transformers_alone(model, 
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
-def test_orpo_loss_equals_trls_trainer_on_the_same_batch(model, tokenizer, batch, tmp_path, monkeypatch):
+def test_orpo_first_step_equals_trls_trainer_on_the_same_model_and_data(model, batch, tmp_path, monkeypatch):
+    """ORPOTrainer tokenizes, batches and scores the rows itself; its logged
+    first-step loss and metrics are ours on the same rows. In fp32 (TRL's
+    default is bf16 autocast), and with a tokenizer without a BOS token (as
+    Qwen's): TRL's ORPO puts one before every prompt where the tokenizer has
+    it, where we encode as the tokenizer does."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    args = ORPOConfig(output_dir=str(tmp_path), beta=BETA, report_to=[], use_cpu=True, max_length=64,
-                      per_device_train_batch_size=4, disable_tqdm=True)
-    trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pair_rows(4)),
+    tokenizer = preference_tokenizer()
+    tokenizer.bos_token = None
+    args = ORPOConfig(output_dir=str(tmp_path), beta=BETA, report_to=[], use_cpu=True, bf16=False, max_length=64,
+                      per_device_train_batch_size=4, max_steps=1, logging_steps=1, learning_rate=0.0,
+                      save_strategy="no", disable_tqdm=True)
+    trainer = ORPOTrainer(model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list(pair_rows(4)),
                           processing_class=tokenizer)
-    pairs = len(batch["input_ids"]) // 2
-    sides = {"chosen": slice(0, pairs), "rejected": slice(pairs, None)}
-    trl_batch = {f"{side}_{key}": batch[key][rows] for side, rows in sides.items()
-                 for key in ("input_ids", "attention_mask", "labels")}
-    with torch.no_grad():
-        loss, metrics = trainer.get_batch_loss_metrics(model, trl_batch, "train")
-    got = ours(model, batch)
-    assert float(loss) == pytest.approx(got["loss"], rel=1e-5, abs=1e-6)
+    trainer.train()
+    logged, got = trainer.state.log_history[0], ours(model, batch)
+    assert logged["loss"] == pytest.approx(got["loss"], rel=1e-5, abs=1e-6)
     for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/margins",
                  "logps/rejected"):
-        assert metrics[name] == pytest.approx(got[name], rel=1e-5, abs=1e-6), name
+        assert logged[name] == pytest.approx(got[name], rel=1e-5, abs=1e-6), name
