@@ -1,8 +1,8 @@
 """KTO's data, loss and metrics (finetune/objectives/kto.py, unpaired.py and
 data/unpaired.py) for a fixed batch of labelled completions: against a
 computation written here from the paper's formula with transformers alone
-(each sequence scored on its own, unpadded), and against TRL's KTOTrainer
-scoring the same batch with the same policy and reference."""
+(each sequence scored on its own, unpadded), and against TRL's KTOTrainer's
+first step on the same policy, reference and rows."""
 
 from __future__ import annotations
 
@@ -117,27 +117,23 @@ def test_kto_loss_and_metrics_equal_the_formula_with_transformers_alone(models, 
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
-def test_kto_loss_equals_trls_trainer_on_the_same_batch(models, tokenizer, batch, tmp_path):
+def test_kto_first_step_equals_trls_trainer_on_the_same_models_and_data(models, tokenizer, batch, tmp_path):
+    """KTOTrainer tokenizes the rows, pairs its mismatched completions and
+    scores them itself; its logged first-step loss and metrics are ours on the
+    same rows (one batch of all six: the same mismatched set). In fp32: TRL's
+    default is bf16 autocast."""
     from trl import KTOConfig, KTOTrainer
 
     policy, reference = models
     args = KTOConfig(output_dir=str(tmp_path), beta=BETA, desirable_weight=DESIRABLE,
-                     undesirable_weight=UNDESIRABLE, report_to=[], use_cpu=True, max_length=64,
-                     per_device_train_batch_size=6, disable_tqdm=True)
-    trainer = KTOTrainer(model=policy, ref_model=reference, args=args,
+                     undesirable_weight=UNDESIRABLE, report_to=[], use_cpu=True, bf16=False, max_length=64,
+                     per_device_train_batch_size=6, max_steps=1, logging_steps=1, learning_rate=0.0,
+                     save_strategy="no", disable_tqdm=True)
+    trainer = KTOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args,
                          train_dataset=Dataset.from_list(unpaired_rows(6)), processing_class=tokenizer)
-    n = len(batch["label"])
-    inputs = {"input_ids": batch["input_ids"][:n], "attention_mask": batch["attention_mask"][:n],
-              "completion_mask": (batch["labels"][:n] != IGNORE).long(),
-              "label": batch["label"],
-              "KL_input_ids": batch["input_ids"][n:], "KL_attention_mask": batch["attention_mask"][n:],
-              "KL_completion_mask": (batch["labels"][n:] != IGNORE).long()}
-    trainer.model.eval()
-    with torch.no_grad():
-        loss = trainer.compute_loss(trainer.model, inputs)
-    got = ours(models, batch)
-    assert float(loss) == pytest.approx(got["loss"], rel=1e-5, abs=1e-5)
-    logged = {name: values[-1] for name, values in trainer._metrics["eval"].items()}
+    trainer.train()
+    logged, got = trainer.state.log_history[0], ours(models, batch)
+    assert logged["loss"] == pytest.approx(got["loss"], rel=1e-5, abs=1e-5)
     for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert logged[name] == pytest.approx(got[name], rel=1e-5, abs=1e-5), name
 
