@@ -1,11 +1,12 @@
 """The reward model's loss and metrics (finetune/objectives/reward_model.py and
 scored_pairs.py) for a fixed batch of pairs with margins: against the
 formula with transformers alone (each sequence scored on its own, unpadded),
-and against TRL's RewardTrainer on the same batch and model; and a reward
+and against TRL's RewardTrainer's first step on the same model and rows; and a reward
 model's dir as a GRPO reward (objectives/rewards.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -86,22 +87,23 @@ def test_reward_loss_and_metrics_equal_the_formula_with_transformers_alone(model
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-5), name
 
 
-def test_reward_loss_equals_trls_trainer_on_the_same_batch(model, tokenizer, batch, tmp_path):
+def test_reward_first_step_equals_trls_trainer_on_the_same_model_and_data(model, tokenizer, batch, tmp_path):
+    """RewardTrainer tokenizes, batches and scores the rows itself; its logged
+    first-step loss, accuracy and margin are ours on the same rows. In fp32:
+    TRL's default is bf16 autocast."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
     args = RewardConfig(output_dir=str(tmp_path), center_rewards_coefficient=CENTER, report_to=[], use_cpu=True,
-                        max_length=64, per_device_train_batch_size=4, disable_tqdm=True)
-    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(pair_rows(4)),
+                        bf16=False, max_length=64, per_device_train_batch_size=4, max_steps=1, logging_steps=1,
+                        learning_rate=0.0, save_strategy="no", disable_tqdm=True)
+    trainer = RewardTrainer(model=copy.deepcopy(model), args=args, train_dataset=Dataset.from_list(pair_rows(4)),
                             processing_class=tokenizer)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "margin": batch["margin"]}
-    trainer.model.eval()
-    with torch.no_grad():
-        loss = trainer.compute_loss(trainer.model, inputs)
-    got = ours(model, batch)
-    assert float(loss) == pytest.approx(got["loss"], rel=1e-5, abs=1e-5)
-    assert trainer._metrics["eval"]["accuracy"][-1] == pytest.approx(got["accuracy"])
-    assert trainer._metrics["eval"]["margin"][-1] == pytest.approx(got["margin"], rel=1e-5, abs=1e-5)
+    trainer.train()
+    logged, got = trainer.state.log_history[0], ours(model, batch)
+    assert logged["loss"] == pytest.approx(got["loss"], rel=1e-5, abs=1e-5)
+    assert logged["accuracy"] == pytest.approx(got["accuracy"])
+    assert logged["margin"] == pytest.approx(got["margin"], rel=1e-5, abs=1e-5)
 
 
 def test_a_reward_models_dir_scores_completions_and_a_causal_lm_is_refused(model, tokenizer, tmp_path):
