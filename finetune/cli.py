@@ -606,10 +606,10 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     from finetune.peft import peft_for
 
     peft = peft_for(TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
-    shape = model_shape(args.model, peft, num_processes)
+    objective = OBJECTIVE_REGISTRY[args.objective]
+    shape = model_shape(args.model, peft, num_processes, task=objective.tasks[0])
     ram_efficient_loading = launch.ram_efficient_loading and not peft.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
-    objective = OBJECTIVE_REGISTRY[args.objective]
     beta = args.beta if args.beta is not None else objective.defaults.get("beta", TrainConfig.beta)
     reference_copy = objective.holds_reference(TrainConfig(objective=args.objective, beta=beta)) and \
         not peft.saves_adapters

@@ -70,12 +70,15 @@ class ShapesThePlan(Protocol):
     def plan_model(self, model: torch.nn.Module, num_processes: int) -> tuple[torch.nn.Module, int]: ...
 
 
-def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_processes: int = 1) -> ModelShape:
+def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_processes: int = 1,
+                task: str = "causal-lm") -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
     are estimated. The PEFT method (`peft`) shapes the model as it would train
     it (adapters added and trainable, the base frozen, some of it in 4 bits
-    over `num_processes`)."""
+    over `num_processes`). `task`: the head the objective trains on that
+    language model: a reward model's is a score (`sequence-classification`),
+    one output a token where a causal LM has the vocabulary."""
     causal_lm = REGISTRY["causal-lm"]
     if name_or_path in GPT2_PRESETS:
         config = GPT2Config(**GPT2_PRESETS[name_or_path])
@@ -95,8 +98,11 @@ def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_proces
         if task_for_config(config) is not causal_lm:
             raise UsageError(f"estimate-memory models transformer causal LMs, and --model {name_or_path} is a "
                              f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
+    head = REGISTRY[task]
+    if head is not causal_lm:
+        config.num_labels = 1  # a reward model's one score (scored_pairs.RewardModel)
     with torch.device("meta"):
-        model = causal_lm.auto().from_config(config)
+        model = head.auto().from_config(config)
     experts = moe.parameter_counts(model, config) if moe.is_moe(config) else {"experts": 0, "active": 0}
     model, four_bit = peft.plan_model(model, num_processes) if peft else (model, 0)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -109,7 +115,7 @@ def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_proces
                       trainable=sum(p.numel() for p in unique.values() if p.requires_grad), four_bit=four_bit,
                       four_bit_bytes_per_weight=peft.four_bit_bytes_per_weight if peft else 0.0,
                       layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
-                      vocab=config.vocab_size,
+                      vocab=config.vocab_size if head is causal_lm else config.num_labels,  # the logits' width
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
                       largest_tensor=max(p.numel() for p in unique.values()),
                       tp_plan=bool(getattr(config, "base_model_tp_plan", None)),

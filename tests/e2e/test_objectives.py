@@ -165,7 +165,7 @@ def test_a_reward_model_ranks_held_out_pairs_and_exports_as_a_sequence_classifie
     assert summary["objective"] == "reward" and summary["task"] == "sequence-classification"
     chosen, rejected = (rewards_of(run / "final", runs["held_out_rated"][name], side) for side in ("chosen", "rejected"))
     accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(chosen)
-    assert accuracy >= 0.8, accuracy  # of 32 held-out pairs; chance would rank 16
+    assert accuracy >= 0.9, accuracy  # of 32 held-out pairs
     assert summary["last_eval"]["eval_accuracy"] >= 0.75  # of the 8 pairs the run held out
     config = json.loads((run / "final" / "config.json").read_text())
     assert config["architectures"][0].endswith("ForSequenceClassification")

@@ -25,6 +25,25 @@ def test_estimate_memory_says_what_fits(capsys):
     assert rss > total
 
 
+def test_a_reward_model_is_planned_with_its_score_head(capsys):
+    """--method reward trains one score a sequence where DPO's pairs go
+    through the vocabulary's logits: the same pairs, the parameters of GPT-2
+    (its LM head tied to the embeddings) plus a 768-weight score head."""
+    from finetune.cli import main
+
+    def planned(method: str) -> list[int]:
+        assert main(["estimate-memory", "--model", "gpt2-small", "--method", method, "--num_processes", "2",
+                     "--per_device_batch_size", "4", "--block_size", "1024"]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("| FSDP full shard |"))
+        return [int(out.split(" parameters")[0].replace(",", "")), int(row.split("|")[6].replace(",", ""))]
+
+    (dpo_params, dpo_activations), (reward_params, reward_activations) = planned("dpo"), planned("reward")
+    assert reward_params == dpo_params + 768
+    # The logits DPO holds: 2 x 4 sequences x 1,024 tokens x 50,257 words, several bytes each.
+    assert dpo_activations - reward_activations > 2 * 4 * 1024 * 50257 * 4
+
+
 def test_estimate_memory_of_a_non_transformer_is_one_line(capsys):
     from finetune.cli import main
 
