@@ -1,5 +1,5 @@
 """What a run read, by content: the local data and chat-template files its
-options name. Recorded in every checkpoint's run_config.yaml (under `inputs:`,
+options name, its reward files and reward models. Recorded in every checkpoint's run_config.yaml (under `inputs:`,
 a record, not an option) and compared when the run resumes: the data and the
 template are fixed by the checkpoint, so a file replaced under the same name
 is refused like a changed option."""
@@ -91,11 +91,24 @@ def input_fingerprints(cfg, reference: str | None = None) -> dict[str, dict]:
                  "sha256": hashlib.sha256("".join(p.get("content_sha256", p["sha256"]) for p in prints).encode()
                                           ).hexdigest()},
                 {file: ns for p in prints for file, ns in p.get("times_ns", {}).items()})
-    rewards = {spec: hashlib.sha256(path.read_bytes()).hexdigest() for spec in getattr(cfg, "reward_funcs", [])
-               if (path := reward_file(spec)) is not None and path.is_file()}
-    if rewards:  # the user's reward files, by content
+    rewards = {spec: reward_fingerprint(spec) for spec in getattr(cfg, "reward_funcs", [])}
+    rewards = {spec: digest for spec, digest in rewards.items() if digest}
+    if rewards:  # the user's reward files by content, reward models' dirs by their weights
         found["reward_funcs"] = rewards
     return found
+
+
+def reward_fingerprint(spec: str) -> str | None:
+    """A reward file's SHA-256, a reward model dir's weights' (as a reference's),
+    or None for a module or a built-in."""
+    path = reward_file(spec)
+    if path is not None:
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if Path(spec).is_dir():
+        from finetune.model_dir import weights_files_fingerprint
+
+        return "weights:" + weights_files_fingerprint(Path(spec))
+    return None
 
 
 def reference_fingerprint(source: str) -> dict[str, Any]:
@@ -122,9 +135,10 @@ def check_same_inputs(recorded: Any, now: dict[str, dict], cfg, checkpoint_dir: 
     rewards_now = now.get("reward_funcs") or {}
     for spec, digest in (recorded.get("reward_funcs") or {}).items():
         if rewards_now.get(spec) != digest:
-            raise UsageError(f"the reward file {reward_file(spec)} changed since {checkpoint_dir} was written (or is "
-                             "gone); a resume scores with the functions its checkpoint was trained with: put the "
-                             "original back, or start a new run in another --output_dir")
+            what = f"the reward file {reward_file(spec)}" if reward_file(spec) else f"the reward model {spec}"
+            raise UsageError(f"{what} changed since {checkpoint_dir} was written (or is gone); a resume scores with "
+                             "the rewards its checkpoint was trained with: put the original back, or start a new run "
+                             "in another --output_dir")
     for name in INPUT_OPTIONS:
         before, after = recorded.get(name), now.get(name)
         if not isinstance(before, dict) or before.get("sha256") == (after or {}).get("sha256"):

@@ -96,3 +96,27 @@ def test_a_frozen_reference_moved_whole_is_the_same_and_other_weights_are_refuse
                                          f"\\({reference}, as it was then\\)"):
         check_same_inputs(recorded, input_fingerprints(cfg, reference=str(moved)), cfg, Path("ckpt"))
     assert input_fingerprints(cfg, reference="tiny-gpt2") != input_fingerprints(cfg, reference="small-gpt2")
+
+
+def test_a_reward_models_other_weights_stop_the_resume_and_a_reward_files_edit_does(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    model, code = tmp_path / "reward-model", tmp_path / "rewards.py"
+    model.mkdir()
+    save_file({"score.weight": torch.arange(8.0)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    code.write_text("def correct(completions, **columns):\n    return [1.0] * len(completions)\n")
+    cfg = SimpleNamespace(dataset="", chat_template="", streaming=False, reference_model="",
+                          reward_funcs=[str(model), f"{code}:correct", "exact_match"])
+    recorded = input_fingerprints(cfg)
+    assert set(recorded["reward_funcs"]) == {str(model), f"{code}:correct"}  # a built-in is the package's
+    (model / "README.md").write_text("notes")  # not weights
+    check_same_inputs(recorded, input_fingerprints(cfg), cfg, Path("ckpt"))
+    save_file({"score.weight": torch.arange(8.0) + 1}, str(model / "model.safetensors"))
+    with pytest.raises(UsageError, match=f"the reward model {model} changed since ckpt was written"):
+        check_same_inputs(recorded, input_fingerprints(cfg), cfg, Path("ckpt"))
+    recorded = input_fingerprints(cfg)
+    code.write_text(code.read_text().replace("1.0", "2.0"))
+    with pytest.raises(UsageError, match=f"the reward file {code} changed since ckpt was written"):
+        check_same_inputs(recorded, input_fingerprints(cfg), cfg, Path("ckpt"))
