@@ -135,8 +135,9 @@ def test_the_held_out_reward_rises(runs, objective):
     assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"], (summary["first_eval"],
                                                                                 summary["last_eval"])
     # The run's eval is one greedy completion per prompt: its rise varied (+0.19 to +0.47) with the random model.
+    # The sampled share rose +0.08 to +0.35 over 10 random models, from about 0.04.
     base, trained = a_share(runs["model"], runs["held_out_prompts"]), a_share(run / "final", runs["held_out_prompts"])
-    assert trained > base + 0.1, (base, trained)
+    assert trained > base + 0.04, (base, trained)
     rows = train_rows(run)
     first, last = (sum(r["reward"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
     assert last > first + 0.1, [round(r["reward"], 3) for r in rows]
@@ -207,7 +208,7 @@ def test_grpo_on_the_reward_model_raises_a_second_reward_that_agrees(runs, env):
                       "--max_steps", "16", "--output_dir", run], env, mixed_precision="no", warm=True))
     rows = train_rows(run)
     assert all(row["frac_reward_zero_std"] < 1 for row in rows)  # the model's scores differ within a group
-    assert all(row["reward"] == pytest.approx(row["rewards/final/mean"]) for row in rows)  # a weight of 0
+    assert all(row["reward"] == pytest.approx(row["rewards/final/mean"], abs=1e-5) for row in rows)  # a weight of 0
     first, last = (sum(r["rewards/a_rich/mean"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
     assert last > 2 * first, [round(r["rewards/a_rich/mean"], 3) for r in rows]
     base, trained = a_share(runs["model"], runs["held_out_prompts"]), a_share(run / "final", runs["held_out_prompts"])
