@@ -35,7 +35,7 @@ from finetune.signals import NoSignal
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
-from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
+from finetune.tasks.lm_loss import IGNORE, completion_logits, full_logits_nll, next_token_targets
 
 
 class PreferenceLM(WithReference, CausalLM):
@@ -140,14 +140,19 @@ class PreferenceLM(WithReference, CausalLM):
         """Summed log-probs of the completions (the labelled tokens) of the
         batch's chosen rows (its first half) and rejected rows, and where the
         objective reads it the NLL of each whole chosen sequence, prompt
-        included. From the full logits: the chunked loss gives no per-row gradient."""
-        logits = model(**model_inputs(model, batch)).logits
+        included. From the logits (the chunked loss gives no per-row gradient),
+        of the completions' positions alone unless the whole sequences are read."""
         targets = next_token_targets(batch["labels"])
+        whole_sequence = sequence_nll and self.objective.reads_chosen_sequence
+        if whole_sequence:
+            logits = model(**model_inputs(model, batch)).logits
+        else:
+            logits, targets = completion_logits(model, model_inputs(model, batch), targets)
         logps = -full_logits_nll(logits, targets).sum(dim=-1)
         counts = (targets != IGNORE).sum(dim=-1)
         pairs = len(logps) // 2
         out = PairLogps(logps[:pairs], logps[pairs:], counts[:pairs], counts[pairs:])
-        if sequence_nll and self.objective.reads_chosen_sequence:
+        if whole_sequence:
             whole = next_token_targets(batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE))[:pairs]
             out.chosen_sequence_nll = full_logits_nll(logits[:pairs], whole).sum(dim=-1)
             out.chosen_sequence_tokens = (whole != IGNORE).sum(dim=-1)

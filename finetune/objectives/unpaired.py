@@ -19,7 +19,7 @@ from finetune.objectives.pairs import PreferenceLM
 from finetune.signals import NoSignal
 from finetune.tasks.base import LossSum, Scored
 from finetune.tasks.causal_lm import CausalLM, model_inputs
-from finetune.tasks.lm_loss import full_logits_nll, next_token_targets
+from finetune.tasks.lm_loss import completion_logits, full_logits_nll, next_token_targets
 
 ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -111,6 +111,6 @@ class UnpairedLM(PreferenceLM):
 
 def completion_logps(model, rows: dict) -> torch.Tensor:
     """[N] summed log-probs of each row's completion (its labelled tokens)."""
-    targets = next_token_targets(rows["labels"])
-    return -full_logits_nll(model(**model_inputs(model, rows)).logits, targets).sum(dim=-1)
+    logits, targets = completion_logits(model, model_inputs(model, rows), next_token_targets(rows["labels"]))
+    return -full_logits_nll(logits, targets).sum(dim=-1)
 

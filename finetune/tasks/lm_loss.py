@@ -20,6 +20,7 @@ does nothing to its logits after the output layer.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,25 @@ def full_logits_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     target; in fp32 whatever the compute dtype (bf16 logits would quantise the loss)."""
     nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none")
     return nll.view(targets.shape)
+
+
+def completion_logits(model: torch.nn.Module, inputs: dict,
+                      targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits and the targets from the batch's first position with
+    a target on: the prompts before it cost no [tokens, vocab] scores (the
+    model's `logits_to_keep`, as TRL's trainers score completions). Every
+    position for a model that does not take that argument."""
+    labelled = (targets != IGNORE).any(dim=0).nonzero()
+    first = int(labelled[0]) if len(labelled) else 0
+    if first == 0 or not takes_logits_to_keep(model):
+        return model(**inputs).logits, targets
+    return model(**inputs, logits_to_keep=targets.shape[1] - first).logits, targets[:, first:]
+
+
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    inner = unwrapped(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # under adapters
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

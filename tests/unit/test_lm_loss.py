@@ -1,5 +1,6 @@
 """What makes a training step lighter computes the same thing: the chunked
-cross-entropy (finetune/tasks/lm_loss.py) against the full logits, and the
+cross-entropy (finetune/tasks/lm_loss.py) against the full logits, the
+completions' logits alone against the whole ones, and the
 one-kernel GELU (finetune/models: fuse_activations) against gelu_new."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHea
 
 from finetune.errors import UsageError
 from finetune.models import fuse_activations
-from finetune.tasks.lm_loss import can_chunk, chunked_head_loss, full_logits_nll, next_token_targets
+from finetune.tasks.lm_loss import (IGNORE, can_chunk, chunked_head_loss, completion_logits, full_logits_nll,
+                                    next_token_targets)
 
 VOCAB = 97
 
@@ -187,3 +189,25 @@ def test_in_bf16_the_chunked_loss_follows_the_full_one(precision):
         assert grad.dtype == expected[name].dtype
         scale = float(expected[name].float().abs().max())
         torch.testing.assert_close(grad.float(), expected[name].float(), rtol=0, atol=0.05 * scale, msg=name)
+
+
+def test_completion_logits_score_from_the_first_labelled_position_and_agree_with_the_whole(tmp_path):
+    """A preference batch's log-probs from the completions' logits alone (the
+    model's logits_to_keep) equal those from every position's; under LoRA too,
+    whose wrapper passes the argument on."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, VOCAB, (3, 12))
+    labels = torch.full_like(ids, IGNORE)
+    labels[0, 7:], labels[1, 5:9], labels[2, 9:] = ids[0, 7:], ids[1, 5:9], ids[2, 9:]
+    targets = next_token_targets(labels)
+    for model in (llama_untied(), get_peft_model(llama_untied(), LoraConfig(r=2, target_modules=["q_proj"]))):
+        logits, kept = completion_logits(model, {"input_ids": ids}, targets)
+        assert logits.shape[1] == kept.shape[1] == 12 - 4  # position 4's target is the first label, at 5
+        whole = model(input_ids=ids).logits
+        assert torch.allclose(-full_logits_nll(logits, kept).sum(-1), -full_logits_nll(whole, targets).sum(-1),
+                              rtol=1e-5, atol=1e-5)
+    everywhere = next_token_targets(ids)
+    logits, kept = completion_logits(llama_untied(), {"input_ids": ids}, everywhere)
+    assert logits.shape[1] == 12 and kept is everywhere  # a target at the first position: nothing to leave out
