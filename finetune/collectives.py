@@ -62,6 +62,48 @@ class GlooAllGather(_HostBuffers):
         return None  # done: FSDP2 waits only on what is returned
 
 
+def whole_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor whole, on every rank (a collective): DTensors split on
+    their first dimension over one mesh dimension (FSDP2's layout) in one
+    all-gather per dtype, as FSDP2 gathers a unit; any other DTensor by its
+    own `full_tensor()`; a plain tensor as it is."""
+    from torch.distributed.tensor import Shard
+
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batched: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if not hasattr(t, "full_tensor"):
+            out[i] = t.detach()
+        elif t.device_mesh.ndim == 1 and t.placements[0] == Shard(0) and t.dim() > 0:
+            batched.setdefault((t.dtype, t.device_mesh), []).append(i)
+        else:
+            out[i] = t.full_tensor().detach()
+    for (dtype, mesh), indices in batched.items():
+        world = mesh.size()
+
+        def part(i: int, rank: int) -> int:
+            """Elements of tensor i on `rank`: torch.chunk's rows, as FSDP2 splits."""
+            shape = tensors[i].shape
+            rows = -(-shape[0] // world)
+            return max(0, min(shape[0], (rank + 1) * rows) - rank * rows) * shape[1:].numel()
+
+        sizes = [[part(i, rank) for i in indices] for rank in range(world)]
+        width = max(sum(s) for s in sizes)
+        local = torch.cat([tensors[i].to_local().detach().reshape(-1) for i in indices])
+        flat = torch.zeros(width, dtype=dtype, device=local.device)
+        flat[:len(local)] = local
+        pieces = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(pieces, flat, group=mesh.get_group())
+        offsets = [0] * world
+        for j, i in enumerate(indices):
+            parts = []
+            for rank in range(world):
+                parts.append(pieces[rank][offsets[rank]:offsets[rank] + sizes[rank][j]])
+                offsets[rank] += sizes[rank][j]
+            out[i] = torch.cat(parts).view(tensors[i].shape)
+    return out
+
+
 def use_gloo_collectives(model: torch.nn.Module) -> None:
     """FSDP2 over gloo (CPU): the collectives above, in every FSDP unit."""
     from torch.distributed.fsdp import FSDPModule

@@ -9,14 +9,14 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
 from finetune.backends.mesh import Mesh
-from finetune.collectives import gather_ints
+from finetune.collectives import gather_ints, whole_tensors
 from finetune.errors import NotDistributed, UsageError
 from finetune.estimates import Estimate, ModelShape
 from finetune.launch_request import has_accelerator_device, launched_world_size, no_deepspeed_engine
@@ -73,6 +73,10 @@ class PlanInputs:
 
 
 OPTIMIZER_SHARDS_DIR = "optimizer_0"  # Accelerate's save_state, for a sharded optimizer
+
+
+# Parameters gathered whole together (one collective), up to about this many bytes.
+WHOLE_TENSORS_BATCH_BYTES = 256 * 2**20
 
 
 class Backend:
@@ -157,6 +161,32 @@ class Backend:
         """Around transformers' `generate` on the prepared model, whose forwards
         may start below the model the backend wrapped (a PEFT model's base)."""
         yield
+
+    def shards_parameters(self, accelerator: Accelerator) -> bool:
+        """Whether a rank holds only a part of the parameters (sampling from them gathers the rest)."""
+        return False
+
+    def whole_parameter_count(self, model: torch.nn.Module) -> int:
+        return sum(full_numel(p) for p in model.parameters())
+
+    def sampling_dtype(self, model: torch.nn.Module) -> torch.dtype:
+        """The dtype the model's forward computes in."""
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+    def whole_parameters(self, model: torch.nn.Module, wanted) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters whose names `wanted` takes, each whole, one at a time,
+        named as the module names them. Where each rank holds a part this is a
+        collective: every rank iterates the same names."""
+        batch, batch_bytes = [], 0
+        for name, p in [*model.named_parameters(), (None, None)]:
+            if name is not None and not wanted(name):
+                continue
+            if batch and (name is None or batch_bytes >= WHOLE_TENSORS_BATCH_BYTES):
+                yield from zip([n for n, _ in batch], whole_tensors([t for _, t in batch]))
+                batch, batch_bytes = [], 0
+            if name is not None:
+                batch.append((name, p))
+                batch_bytes += full_numel(p) * p.element_size()
 
     # A model that only runs forward (a preference objective's frozen reference).
     frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead

@@ -150,6 +150,19 @@ class DeepSpeed(Backend):
             return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
         return InitProcessGroupKwargs(timeout=timeout)
 
+    def shards_parameters(self, accelerator: Accelerator) -> bool:
+        return self.zero_stage(accelerator) == 3 and accelerator.num_processes > 1
+
+    def whole_parameters(self, model: torch.nn.Module, wanted):
+        """ZeRO-3's partitions gathered one parameter at a time with its own API
+        (as TRL's ds3_gather_for_generation), copied out before it frees them."""
+        import deepspeed
+
+        for name, p in model.named_parameters():
+            if wanted(name):
+                with deepspeed.zero.GatheredParameters([p]):
+                    yield name, p.detach().clone()
+
     def prepare_frozen(self, accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
         """ZeRO-1/2 keep every parameter on every rank, and so does the reference.
         Under ZeRO-3 transformers built it partitioned (zero.Init), like the

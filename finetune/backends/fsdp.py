@@ -166,6 +166,15 @@ class FSDP2(Backend):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    def shards_parameters(self, accelerator: Accelerator) -> bool:
+        return accelerator.num_processes > 1
+
+    def sampling_dtype(self, model: torch.nn.Module) -> torch.dtype:
+        """Mixed precision's parameter dtype, which each unit's forward gathers its weights in."""
+        state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+        policy = getattr(state, "_mp_policy", None)
+        return getattr(policy, "param_dtype", None) or super().sampling_dtype(model)
+
     @contextmanager
     def generating(self, model: torch.nn.Module):
         """The root unit gathered for the whole generation: a PEFT model's

@@ -113,6 +113,7 @@ class PairObjective(Objective):
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL's: per token (GRPO), or the sequence's mean (GSPO)
+GENERATION_ENGINES = ("auto", "sharded", "replica")  # engines.py
 
 
 @dataclass
@@ -145,6 +146,11 @@ class RolloutOptions:
                                               "loss")
     beta: float = option(0.0, "the KL coefficient against the reference (0 = none; the reference is DPO's: the "
                          "starting model, or the base with the adapters off under LoRA)")
+    generation_engine: str = option("auto", "where completions are sampled: the policy as the backend holds it "
+                                    "(sharded: FSDP gathers every layer for every token), a whole copy on each rank "
+                                    "refreshed after each optimizer step (replica), or auto: the replica where the "
+                                    "model is sharded and a copy fits in half of the memory left; the same completions "
+                                    "either way", choices=GENERATION_ENGINES, on_resume="the same completions")
     log_completions_every: int = option(10, "write a sample of prompts, completions and rewards to "
                                         "RUN_DIR/completions.jsonl every N steps (0 = never)",
                                         on_resume="applies from the next step")

@@ -4,16 +4,16 @@ for data, and the objective's loss on the policy's own samples.
 
 Every optimizer step (every --num_iterations steps when above 1) starts with a
 rollout: each rank samples --num_generations completions of each of its
-prompts with the model as the backend lays it out (FSDP2 gathers a layer at a
-time, with a KV cache), the reward functions score them, and the objective
+prompts (engines.py: from the model as the backend lays it out, FSDP2
+gathering a layer at a time, or from a whole replica), the reward functions score them, and the objective
 computes the advantages over each group. The loop then trains on the
 completions as on any micro-batches. Sampling is seeded from (--seed, the
 rollout's number, the rank), and a checkpoint saves a rollout still in use,
 so a resume draws and trains on exactly what the uninterrupted run did.
 
 Sampling sits behind one seam, `Sampler.sample(model, prompt_ids,
-prompt_mask, greedy) -> completion_ids`, where an inference engine can take
-over (docs/grpo.md). Evaluations decode one greedy completion per held-out
+prompt_mask, greedy) -> completion_ids`, on the module the generation engine
+(engines.py: the policy as held, or a replica) gives. Evaluations decode one greedy completion per held-out
 prompt and report its reward (`reward` in eval rows; `eval_loss` is its negative).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from finetune.errors import UsageError
 from finetune.report import say
 from finetune.signals import NoSignal
 from finetune.objectives import grpo_loss
+from finetune.objectives.engines import ENGINE_CLASSES, AsHeld, choose_engine
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData
@@ -67,26 +69,24 @@ class PromptCollator:
 
 
 class Sampler:
-    """Completions of left-padded prompts with transformers' `generate` on the
-    model as the backend holds it. Every rank runs as many forwards as the
-    longest (synced): under FSDP and ZeRO-3 each forward gathers parameters
-    with the others."""
+    """Completions of left-padded prompts with transformers' `generate`, on the
+    module the engine (engines.py) gives: the policy as the backend holds it,
+    every rank running as many forwards as the longest (synced), or a replica."""
 
-    def __init__(self, accelerator: Accelerator, backend: Backend, tokenizer: PreTrainedTokenizerBase,
-                 max_new_tokens: int, temperature: float, top_p: float):
-        self.accelerator, self.backend, self.tokenizer = accelerator, backend, tokenizer
+    def __init__(self, engine: AsHeld, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, temperature: float,
+                 top_p: float):
+        self.engine, self.tokenizer = engine, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
     def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool) -> torch.Tensor:
         """[N, <= max_new_tokens] completion ids, padded after the end-of-text token."""
-        generator = self.accelerator.unwrap_model(model)
         sampling = {} if greedy else {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                                       "top_k": 0}
-        with torch.no_grad(), self.backend.generating(model):
+        generator, synced, around = self.engine.generator(model)
+        with torch.no_grad(), around:
             out = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=self.max_new_tokens,
                                      min_new_tokens=0, pad_token_id=pad_id(self.tokenizer),
-                                     eos_token_id=self.tokenizer.eos_token_id, use_cache=True,
-                                     synced_gpus=self.accelerator.num_processes > 1,
+                                     eos_token_id=self.tokenizer.eos_token_id, use_cache=True, synced_gpus=synced,
                                      **({"do_sample": False} if greedy else sampling))
         return out[:, prompt_ids.size(1):]
 
@@ -115,6 +115,7 @@ class RolloutLM(WithReference, CausalLM):
         self.conversational = False
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.sampler: Sampler | None = None
+        self.engine = ""  # the generation engine's name, once chosen
         self.policy: torch.nn.Module | None = None
         self.backend: Backend | None = None
         self.run_dir: Path | None = None
@@ -134,8 +135,6 @@ class RolloutLM(WithReference, CausalLM):
         model, data = super().build(accelerator, backend, run_dir)
         without_dropout(model)  # the sampling policy and the trained one are the same function
         self.tokenizer = data.tokenizer
-        self.sampler = Sampler(accelerator, backend, data.tokenizer, self.cfg.max_completion_length, self.cfg.temperature,
-                               self.cfg.top_p)
         if self.frozen_reference() is not None:
             self.reference = self.reference_model(data.tokenizer, model.config.vocab_size)
         data.description += (f"; {self.cfg.num_generations} completions of up to {self.cfg.max_completion_length} "
@@ -145,9 +144,15 @@ class RolloutLM(WithReference, CausalLM):
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         self.lay_out_reference(accelerator, backend)
         self.policy, self.backend = model, backend
+        engine = choose_engine(self.cfg.generation_engine, accelerator, backend, model)
+        say(accelerator, f"generation: {engine.name} ({engine.why})")
+        self.engine = engine.name
+        self.sampler = Sampler(ENGINE_CLASSES[engine.name](accelerator, backend), self.tokenizer,
+                               self.cfg.max_completion_length, self.cfg.temperature, self.cfg.top_p)
 
     def summary_facts(self) -> dict[str, Any]:
         return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards],
+                "generation_engine": self.engine,
                 "last_rollout": self.rollout_metrics,  # TRL's names, of the last step's samples
                 "sample_prompt": self.sample_prompt}
 
@@ -230,11 +235,13 @@ class RolloutLM(WithReference, CausalLM):
         model = self.policy
         was_training = model.training
         model.eval()
+        started, self.sampler.engine.sync_seconds = time.perf_counter(), 0.0
         with seeded(cfg.seed * 1_000_003 + number * 7919 + acc.process_index, acc.device):
             sampled = [self.sampler.sample(model, b["prompt_ids"].repeat_interleave(groups, 0),
                                            b["prompt_mask"].repeat_interleave(groups, 0), greedy=False)
                        for b in prompt_batches]
         model.train(was_training)
+        timing = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.sync_seconds}
         batches = [self._completion_batch(b, ids) for b, ids in zip(prompt_batches, sampled)]
         per_function = torch.cat([b.pop("_rewards") for b in batches])
         lengths = torch.cat([b["completion_length"] for b in batches]).cpu().float()
@@ -273,7 +280,8 @@ class RolloutLM(WithReference, CausalLM):
             n = len(batch["input_ids"])
             batch["advantages"] = advantages.advantages[mine][start:start + n].to(acc.device)
             start += n
-        self.rollout_metrics = self._rollout_metrics(everyone, advantages, gathered[:, -2], gathered[:, -1].bool())
+        self.rollout_metrics = {**self._rollout_metrics(everyone, advantages, gathered[:, -2], gathered[:, -1].bool()),
+                                **timing}
         if kl_from_reward:  # the KL the rewards paid, per completion token (TRL's `kl` of RLOO)
             self.rollout_metrics["kl"] = float(gathered[:, -4].sum() / gathered[:, -3].sum().clamp(min=1))
         if cfg.log_completions_every and number % cfg.log_completions_every == 0 and acc.is_main_process:
@@ -374,6 +382,8 @@ class RolloutLM(WithReference, CausalLM):
 
     def loss(self, model, batch: dict) -> LossSum:
         cfg = self.cfg
+        if self.sampler is not None:  # an optimizer step follows: the next sampling refreshes a replica
+            self.sampler.engine.weights_changed()
         targets = next_token_targets(batch["labels"])
         mask = targets != IGNORE
         logits = model(**model_inputs(model, batch)).logits

@@ -1,0 +1,189 @@
+"""Where a rollout's completions are sampled (--generation_engine).
+
+- `sharded`: the policy as the backend holds it. Under FSDP2 and ZeRO-3 every
+  forward gathers each layer's parameters from the other ranks, token by token,
+  and every rank runs as many forwards as the longest completion needs.
+- `replica`: one unsharded copy of the policy per rank, for sampling only, in
+  the dtype the trained model computes in. Before a sampling that follows an
+  optimizer step, its weights are refreshed from the trained ones, one tensor
+  at a time (each briefly whole on every rank); under LoRA only the adapters,
+  the frozen base once. Sampling then gathers nothing and each rank stops at
+  its own longest completion.
+- `auto`: `replica` where the backend shards the model and a whole copy fits
+  in half of the memory left beside training, else `sharded`.
+
+Both sample the same completions: the same seeds, the same weights in the
+same dtype, the same `generate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from accelerate import Accelerator
+
+from finetune.backends.base import Backend
+from finetune.errors import UsageError
+
+class AsHeld:
+    """The policy as the backend holds it."""
+    name: ClassVar[str] = "sharded"
+
+    def __init__(self, accelerator: Accelerator, backend: Backend):
+        self.accelerator, self.backend = accelerator, backend
+        self.sync_seconds = 0.0  # spent refreshing a replica since the rollout last read it
+
+    def weights_changed(self) -> None:
+        """The trained weights are about to move (an optimizer step): nothing to do, they are sampled from."""
+
+    def generator(self, model: torch.nn.Module):
+        """(the module whose `generate` samples, whether ranks generate in step, the context around it)."""
+        return (self.accelerator.unwrap_model(model), self.accelerator.num_processes > 1,
+                self.backend.generating(model))
+
+
+class Replica(AsHeld):
+    """A whole copy of the policy on each rank, refreshed from the trained weights."""
+    name = "replica"
+
+    def __init__(self, accelerator: Accelerator, backend: Backend):
+        super().__init__(accelerator, backend)
+        self.copy: torch.nn.Module | None = None
+        self.stale = True
+
+    def weights_changed(self) -> None:
+        self.stale = True
+
+    def generator(self, model: torch.nn.Module):
+        if self.stale:  # every rank samples at the same points, so every rank refreshes together
+            started = time.perf_counter()
+            self.refresh(model)
+            self.sync_seconds += time.perf_counter() - started
+            self.stale = False
+        return self.copy, False, nullcontext()
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module) -> None:
+        policy = self.accelerator.unwrap_model(model)
+        first = self.copy is None
+        if first:
+            self.copy = empty_like(policy)
+        dtype, device = self.backend.sampling_dtype(policy), self.accelerator.device
+        moving = {name for name, p in policy.named_parameters() if p.requires_grad}
+        for name, tensor in self.backend.whole_parameters(policy, lambda n: first or n in moving):
+            put(self.copy, plain_name(name), tensor.to(device=device, dtype=dtype))
+        if first:
+            for name, buffer in policy.named_buffers():
+                if has_tensor(self.copy, plain_name(name)):
+                    put(self.copy, plain_name(name), buffer.to(device))
+            base = self.copy.get_base_model() if hasattr(self.copy, "get_base_model") else self.copy
+            base.tie_weights()
+            left = [name for name, p in self.copy.named_parameters() if p.device.type == "meta"]
+            if left:
+                raise RuntimeError(f"the sampling replica got no weights for {', '.join(left[:5])}")
+            self.copy.eval().requires_grad_(False)
+
+
+def put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """`value` into the replica's tensor `name`: copied into it where it is
+    already there, else set as a copy of its own (never the trained tensor)."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    table = module._parameters if leaf in module._parameters else module._buffers
+    held = table[leaf]
+    if held is not None and held.device.type != "meta" and held.shape == value.shape:
+        held.copy_(value)
+    elif table is module._parameters:
+        table[leaf] = torch.nn.Parameter(value.clone(), requires_grad=False)
+    else:
+        table[leaf] = value.clone()
+
+
+ENGINE_CLASSES = {engine.name: engine for engine in (AsHeld, Replica)}
+
+
+@dataclass
+class EngineChoice:
+    name: str
+    why: str
+
+
+def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> EngineChoice:
+    """The engine --generation_engine names, or `auto`'s pick, with the reason
+    the start line gives; `replica` where a whole copy cannot fit at all is
+    refused in one line before it is built."""
+    whole, free = replica_bytes(accelerator, backend, model), free_memory(accelerator.device)
+    if requested == "replica" and whole > free:
+        raise UsageError(f"--generation_engine replica keeps a whole copy of the policy ({gigabytes(whole)}) on each "
+                         f"rank, and {gigabytes(free)} is free beside training; pass --generation_engine sharded "
+                         "(or auto)")
+    if requested != "auto":
+        return EngineChoice(requested, f"as asked; a whole copy would be {gigabytes(whole)}")
+    if not backend.shards_parameters(accelerator):
+        return EngineChoice("sharded", "each rank holds the whole model: nothing to gather")
+    if whole <= free // 2:
+        return EngineChoice("replica", f"a whole copy, {gigabytes(whole)}, fits in half of the {gigabytes(free)} "
+                                       "free beside training")
+    return EngineChoice("sharded", f"a whole copy, {gigabytes(whole)}, does not fit in half of the {gigabytes(free)} "
+                                   "free beside training")
+
+
+def replica_bytes(accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> int:
+    policy = accelerator.unwrap_model(model)
+    return backend.whole_parameter_count(policy) * torch.finfo(backend.sampling_dtype(policy)).bits // 8
+
+
+def empty_like(policy: torch.nn.Module) -> torch.nn.Module:
+    """The policy's architecture (its adapters included), its parameters on the
+    meta device and its buffers real (rotary frequencies are computed, not loaded)."""
+    from accelerate import init_empty_weights
+
+    adapted = hasattr(policy, "peft_config")
+    base = policy.get_base_model() if adapted else policy
+    cls = original_class(base)
+    with init_empty_weights():
+        model = cls(copy.deepcopy(base.config))
+        if adapted:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, copy.deepcopy(policy.peft_config[policy.active_adapter]))
+    return model
+
+
+def original_class(module: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 swaps in a subclass of it at fully_shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without what wrappers (activation checkpointing) put in it."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def has_tensor(module: torch.nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        sub = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return False
+    return leaf in sub._buffers or leaf in sub._parameters
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now: the GPU's, or the host's available memory for a CPU run."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
