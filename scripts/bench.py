@@ -862,7 +862,8 @@ def grpo_model_and_prompts(args, root: Path, count: int = 512) -> tuple[Path, Pa
 def suite_grpo(args) -> tuple[list[dict], str]:
     """GRPO, 2 processes under fsdp.yaml, the same model, prompts, reward
     (finetune's exact_match), group size, completion length, batch, learning rate
-    and steps: our loop against TRL's GRPOTrainer (transformers' generate, no
+    and steps: our loop (sampling from the sharded model, and from a replica;
+    and under ddp.yaml) against TRL's GRPOTrainer (transformers' generate, no
     vLLM; `pip install trl`) under the same launch."""
     completions = 2 * args.batch  # per step, both ranks
     with tempfile.TemporaryDirectory() as tmp:
@@ -888,7 +889,9 @@ def suite_grpo(args) -> tuple[list[dict], str]:
                         "local_params_per_rank": [r["local_params"] for r in ranks], "rewards": ranks[0]["rewards"],
                         "completion_length": statistics.mean(ranks[0]["completion_lengths"])}
             config = "ddp.yaml" if "DDP" in case else "fsdp.yaml"
+            engine = "replica" if "replica" in case else "sharded"
             launch(config, 2, ["--model", str(model_dir), "--dataset", str(data), "--method", "grpo",
+                                    "--generation_engine", engine,
                                     "--reward_funcs", "exact_match", "--num_generations", str(args.num_generations),
                                     "--max_completion_length", str(args.max_completion_length),
                                     "--per_device_batch_size", str(args.batch), "--max_steps", str(args.steps),
@@ -902,7 +905,7 @@ def suite_grpo(args) -> tuple[list[dict], str]:
                     "completion_length": statistics.mean(r["completions/mean_length"] for r in trained)}
 
         # On a CPU, Accelerate runs TRL's Trainer as DDP whatever the launch says: our DDP run is the like-for-like one.
-        cases = ["finetune GRPO", "finetune GRPO, DDP", "TRL GRPOTrainer"]
+        cases = ["finetune GRPO, sharded", "finetune GRPO, replica", "finetune GRPO, DDP", "TRL GRPOTrainer"]
         results = fastest_rounds(cases, run_case, args.rounds)
     lines = [f"model {args.model}, {args.steps} steps, 2 x {args.batch} completions a step ({args.num_generations} per "
              f"prompt, at most {args.max_completion_length} tokens) of the built-in module questions, reward "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, check_ok, free_port, launches, read_jsonl, run_cli, run_cli_together, run_in_process, train_rows
@@ -149,6 +150,40 @@ def test_ddp_zero2_and_lora_take_the_same_steps(grpo, fp32_run, tmp_path, env):
     assert fsdp[4]["kl"] > 0  # the adapters moved the policy from the base
     summary = json.loads((tmp_path / "lora-fsdp" / "summary.json").read_text())
     assert summary["reference"] == "the base, adapters off" and summary["reference_params_per_rank"] is None
+
+
+@pytest.mark.slow
+def test_the_replica_samples_what_the_sharded_model_does(grpo, fp32_run, tmp_path, env):
+    """The fp32 run sampled from a replica (auto's pick for a sharded model
+    that fits); sampling from the FSDP2-sharded model gives the same
+    completions and losses step by step and the same final weights, and so do
+    a replica and the partitioned model under ZeRO-3."""
+    args = ["--max_steps", str(STEPS), "--num_iterations", "2"]
+    cases = {"fsdp-sharded": ("fsdp.yaml", "sharded"), "zero3-sharded": ("zero3.yaml", "sharded"),
+             "zero3-replica": ("zero3.yaml", "replica")}
+    procs = run_cli_together([(grpo_args(grpo, *args, "--generation_engine", engine, "--output_dir", tmp_path / name),
+                               dict(config=config, mixed_precision="no")) for name, (config, engine) in cases.items()],
+                             env)
+    for proc, (config, engine) in zip(procs, cases.values()):
+        check_ok(proc)
+        assert f"generation: {engine} (as asked" in proc.stdout, proc.stdout[-2000:]
+    summary = json.loads((fp32_run / "summary.json").read_text())
+    assert summary["generation_engine"] == "replica" and summary["distributed_type"] == "FSDP"
+    rows = train_rows(fp32_run)  # the first rollout's replica was made for the first evaluation, before it
+    assert all(row["rollout_time"] > 0 for row in rows) and all(row["weight_sync_time"] > 0 for row in rows[2:])
+
+    def same_run(run: Path, like: Path) -> None:
+        assert [(r["rollout"], r["completion"]) for r in read_jsonl(run / "completions.jsonl")] == \
+            [(r["rollout"], r["completion"]) for r in read_jsonl(like / "completions.jsonl")], run.name
+        expected = {r["step"]: r for r in train_rows(like)}
+        for row in train_rows(run):
+            for metric in ("loss", "reward", "entropy", "clip_ratio/region_mean"):
+                assert row[metric] == pytest.approx(expected[row["step"]][metric], abs=1e-6), (run.name, row["step"])
+        final, other = (load_file(str(r / "final" / "model.safetensors")) for r in (run, like))
+        assert max(float((final[k] - other[k]).abs().max()) for k in other) <= 1e-6, run.name
+
+    same_run(tmp_path / "fsdp-sharded", fp32_run)
+    same_run(tmp_path / "zero3-replica", tmp_path / "zero3-sharded")
 
 
 @pytest.mark.slow
