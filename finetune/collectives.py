@@ -90,7 +90,7 @@ def whole_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [[part(i, rank) for i in indices] for rank in range(world)]
         width = max(sum(s) for s in sizes)
         local = torch.cat([tensors[i].to_local().detach().reshape(-1) for i in indices])
-        flat = torch.zeros(width, dtype=dtype, device=local.device)
+        flat = torch.zeros(width, dtype=dtype, device=mesh.device_type)  # a CPU-offloaded shard goes to the GPU
         flat[:len(local)] = local
         pieces = [torch.empty_like(flat) for _ in range(world)]
         torch.distributed.all_gather(pieces, flat, group=mesh.get_group())

@@ -30,6 +30,7 @@ from accelerate import Accelerator
 from finetune.backends.base import Backend
 from finetune.errors import UsageError
 
+
 class AsHeld:
     """The policy as the backend holds it."""
     name: ClassVar[str] = "sharded"
