@@ -28,6 +28,7 @@ import torch
 from accelerate import Accelerator
 
 from finetune.backends.base import Backend
+from finetune.collectives import gather_ints
 from finetune.errors import UsageError
 
 
@@ -118,7 +119,7 @@ def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, mo
     """The engine --generation_engine names, or `auto`'s pick, with the reason
     the start line gives; `replica` where a whole copy cannot fit at all is
     refused in one line before it is built."""
-    whole, free = replica_bytes(accelerator, backend, model), free_memory(accelerator.device)
+    whole, free = replica_bytes(accelerator, backend, model), least_free(accelerator)
     if requested == "replica" and whole > free:
         raise UsageError(f"--generation_engine replica keeps a whole copy of the policy ({gigabytes(whole)}) on each "
                          f"rank, and {gigabytes(free)} is free beside training; pass --generation_engine sharded "
@@ -175,6 +176,15 @@ def has_tensor(module: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return leaf in sub._buffers or leaf in sub._parameters
+
+
+def least_free(accelerator: Accelerator) -> int:
+    """The least memory free on any rank: every rank must pick the same engine
+    (a rank sampling from a replica would leave the others waiting in a gather)."""
+    free = free_memory(accelerator.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return min(gather_ints(accelerator, free))
+    return free
 
 
 def free_memory(device: torch.device) -> int:
