@@ -177,16 +177,17 @@ class Backend:
         """The parameters whose names `wanted` takes, each whole, one at a time,
         named as the module names them. Where each rank holds a part this is a
         collective: every rank iterates the same names."""
-        batch, batch_bytes = [], 0
-        for name, p in [*model.named_parameters(), (None, None)]:
-            if name is not None and not wanted(name):
+        names, tensors, batch_bytes = [], [], 0
+        for name, p in model.named_parameters():
+            if not wanted(name):
                 continue
-            if batch and (name is None or batch_bytes >= WHOLE_TENSORS_BATCH_BYTES):
-                yield from zip([n for n, _ in batch], whole_tensors([t for _, t in batch]))
-                batch, batch_bytes = [], 0
-            if name is not None:
-                batch.append((name, p))
-                batch_bytes += full_numel(p) * p.element_size()
+            names.append(name)
+            tensors.append(p)
+            batch_bytes += full_numel(p) * p.element_size()
+            if batch_bytes >= WHOLE_TENSORS_BATCH_BYTES:
+                yield from zip(names, whole_tensors(tensors))
+                names, tensors, batch_bytes = [], [], 0
+        yield from zip(names, whole_tensors(tensors))
 
     # A model that only runs forward (a preference objective's frozen reference).
     frozen_model_refusal: str | None = None  # why this backend cannot hold one, and what to do instead

@@ -1,8 +1,9 @@
 """What a run read, by content: the local data and chat-template files its
-options name, its reward files and reward models. Recorded in every checkpoint's run_config.yaml (under `inputs:`,
-a record, not an option) and compared when the run resumes: the data and the
-template are fixed by the checkpoint, so a file replaced under the same name
-is refused like a changed option."""
+options name, its reward files and reward models. Recorded in every
+checkpoint's run_config.yaml (under `inputs:`, a record, not an option) and
+compared when the run resumes: the data and the template are fixed by the
+checkpoint, so a file replaced under the same name is refused like a changed
+option."""
 
 from __future__ import annotations
 

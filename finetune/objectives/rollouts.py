@@ -115,7 +115,6 @@ class RolloutLM(WithReference, CausalLM):
         self.conversational = False
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.sampler: Sampler | None = None
-        self.engine = ""  # the generation engine's name, once chosen
         self.policy: torch.nn.Module | None = None
         self.backend: Backend | None = None
         self.run_dir: Path | None = None
@@ -146,13 +145,12 @@ class RolloutLM(WithReference, CausalLM):
         self.policy, self.backend = model, backend
         engine = choose_engine(self.cfg.generation_engine, accelerator, backend, model)
         say(accelerator, f"generation: {engine.name} ({engine.why})")
-        self.engine = engine.name
         self.sampler = Sampler(ENGINE_CLASSES[engine.name](accelerator, backend), self.tokenizer,
                                self.cfg.max_completion_length, self.cfg.temperature, self.cfg.top_p)
 
     def summary_facts(self) -> dict[str, Any]:
         return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards],
-                "generation_engine": self.engine,
+                "generation_engine": self.sampler.engine.name if self.sampler else "",
                 "last_rollout": self.rollout_metrics,  # TRL's names, of the last step's samples
                 "sample_prompt": self.sample_prompt}
 
