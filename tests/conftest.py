@@ -130,9 +130,29 @@ def pytest_sessionfinish(session):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a launch's store, below the kernel's ephemeral range:
+    a port bind(0) handed out could be taken by another run's gloo sockets
+    before the launch binds it. Each pytest worker counts through its own block."""
+    global _next_port
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    block = PORT_BLOCK_SIZE * (worker + 1)
+    first = max(1024, low - block)
+    for _ in range(PORT_BLOCK_SIZE):
+        port = first + _next_port % PORT_BLOCK_SIZE
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORT_BLOCK_SIZE}")
+
+
+PORT_BLOCK_SIZE = 2000
+_next_port = 0
 
 
 @pytest.fixture(scope="session")
@@ -271,7 +291,7 @@ class ForkServer:
         process) forked at once, in `cwd` (the repo's dir, as run_cli runs); their results in order."""
         runs = [cls.submit(args, options, env, cwd) for args, options in commands]
         deadline = time.monotonic() + timeout
-        return [cls.collect(*run, deadline) for run in runs]
+        return [cls.collect(*run, deadline, timeout) for run in runs]
 
     @classmethod
     def run_launch_line(cls, words: list[str], env: dict, timeout: float,
@@ -295,14 +315,17 @@ class ForkServer:
 
     @classmethod
     def collect(cls, args: list[str], run_dir: Path, conn: socket.socket,
-                deadline: float) -> subprocess.CompletedProcess:
+                deadline: float, timeout: float) -> subprocess.CompletedProcess:
         answer = b""
         with conn:
             while not answer.endswith(b"\n"):
                 left = deadline - time.monotonic()
                 if left <= 0 or not select.select([conn], [], [], left)[0]:
                     cls.kill(run_dir)
-                    raise subprocess.TimeoutExpired(args, deadline)
+                    # Where each rank was: the end of its log says which step it reached.
+                    logs = cls.read(run_dir, sorted(p.name for p in run_dir.glob("err-*")) + ["launcher.log"])
+                    sys.stderr.write(f"the run's logs when it timed out:\n{logs[-6000:]}\n")
+                    raise subprocess.TimeoutExpired(args, timeout)
                 chunk = conn.recv(65536)
                 if not chunk:
                     raise RuntimeError(f"the fork server's launcher died: {cls.read(run_dir, ['launcher.log'])}")

@@ -33,7 +33,7 @@ def test_a_rank_that_dies_ends_its_run_and_not_the_server(tmp_path, env, small_c
     ranks = [int((run_dir / f"pid-{rank}").read_text()) for rank in (0, 1)]
     os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
-    proc = ForkServer.collect(args, run_dir, conn, deadline=killed + 60)
+    proc = ForkServer.collect(args, run_dir, conn, deadline=killed + 60, timeout=60)
     assert proc.returncode != 0
     assert time.monotonic() - killed < 45  # the agent's 30 s of grace for rank 0, at the most
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]  # both ended and reaped
