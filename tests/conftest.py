@@ -129,6 +129,15 @@ def pytest_sessionfinish(session):
         budget.add_to_report(Path(report), FILE_CPU)
 
 
+STAND_INS = Path(__file__).parent / "stand_ins"  # libraries this machine cannot install, by their interface
+
+
+def without_stand_ins(python_path: str) -> list[str]:
+    """PYTHONPATH's entries but the stand-ins': a forked run puts those on its
+    path itself (tests/fork_server.py), the server never having imported them."""
+    return [e for e in python_path.split(os.pathsep) if e and not Path(e).is_relative_to(STAND_INS)]
+
+
 def free_port() -> int:
     """A free port for a launch's store, below the kernel's ephemeral range:
     a port bind(0) handed out could be taken by another run's gloo sockets
@@ -249,7 +258,8 @@ class ForkServer:
     def imports_differ(cls, env: dict) -> bool:
         server = cls.server_env(env)
         keys = {k for k in (*env, *server) if k.startswith(cls.IMPORT_TIME)}
-        return any(env.get(k) != server.get(k) for k in keys)
+        return any(env.get(k) != server.get(k) for k in keys if k != "PYTHONPATH") or \
+            without_stand_ins(env.get("PYTHONPATH", "")) != without_stand_ins(server.get("PYTHONPATH", ""))
 
     @classmethod
     def server_env(cls, env: dict) -> dict:

@@ -154,6 +154,9 @@ def become_rank(args: list[str], env: dict[str, str], out: int, err: int) -> int
     fresh_process_state(env)
     if not env.get("PYTHONSAFEPATH"):
         sys.path[0] = os.getcwd()  # what `python -m` puts first
+    # PYTHONPATH's entries the server did not start with (the tests' stand-ins, of libraries it never imported),
+    # after the first as python puts them.
+    sys.path[1:1] = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and e not in sys.path]
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0  # finetune's entry ends the process itself; a module that returns exits 0

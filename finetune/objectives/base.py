@@ -113,7 +113,9 @@ class PairObjective(Objective):
 
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL's: per token (GRPO), or the sequence's mean (GSPO)
-GENERATION_ENGINES = ("auto", "sharded", "replica")  # engines.py
+GENERATION_ENGINES = ("auto", "sharded", "replica", "vllm")  # engines.py
+VLLM_MODES = ("colocate", "server")
+VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -148,12 +150,62 @@ class RolloutOptions:
                          "starting model, or the base with the adapters off under LoRA)")
     generation_engine: str = option("auto", "where completions are sampled: the policy as the backend holds it "
                                     "(sharded: FSDP gathers every layer for every token), a whole copy on each rank "
-                                    "refreshed after each optimizer step (replica), or auto: the replica where the "
-                                    "model is sharded and a copy fits in half of the memory left; the same completions "
-                                    "either way", choices=GENERATION_ENGINES, on_resume="the same completions")
+                                    "refreshed after each optimizer step (replica: the same completions as sharded), "
+                                    "vLLM's engine in each rank's process (vllm), or auto: vllm on a GPU where it is "
+                                    "installed, else the replica where the model is sharded and a copy fits in half "
+                                    "of the memory left", choices=GENERATION_ENGINES,
+                                    on_resume="from the next rollout (sharded and replica sample alike)")
     log_completions_every: int = option(10, "write a sample of prompts, completions and rewards to "
                                         "RUN_DIR/completions.jsonl every N steps (0 = never)",
                                         on_resume="applies from the next step")
+
+
+@dataclass
+class VLLMOptions:
+    """vLLM generation (TRL's names)"""
+    use_vllm: bool = option(False, "sample with vLLM: the same as --generation_engine vllm",
+                            on_resume="from the next rollout")
+    vllm_mode: str = option("colocate", "colocate: vLLM's engine in each rank's process, sharing its GPU with "
+                            "training (server, a vLLM server on GPUs of its own, is planned: docs/grpo.md)",
+                            choices=VLLM_MODES)
+    vllm_gpu_memory_utilization: float = option(0.3, "the share of each GPU's memory vLLM's engine takes for its "
+                                                "weights and KV cache, in (0, 1); training keeps the rest",
+                                                on_resume="from the next start of the engine")
+    vllm_enable_sleep_mode: bool = option(False, "the engine frees its weights and KV cache while the trainer steps "
+                                          "and takes them back to sample (slower, more memory for training)",
+                                          on_resume="from the next start of the engine")
+    vllm_importance_sampling_correction: bool = option(True, "weigh each completion's loss by the trainer's over "
+                                                       "the engine's probability of it (their kernels differ), "
+                                                       "truncated or masked as --vllm_importance_sampling_mode says")
+    vllm_importance_sampling_mode: str = option("sequence_mask", "token_ or sequence_ (one ratio per token, or the "
+                                                "completion's product), _truncate (clipped to the bounds) or _mask "
+                                                "(0 outside them)", choices=VLLM_IMPORTANCE_SAMPLING_MODES)
+    vllm_importance_sampling_clip_max: float = option(3.0, "the importance ratio's upper bound (0: none)")
+    vllm_importance_sampling_clip_min: float = option(0.0, "the importance ratio's lower bound (0: none)")
+
+
+def check_vllm_options(cfg) -> None:
+    """vLLM's options, before anything heavy loads; whether vLLM itself runs on this device is checked when it starts."""
+    if cfg.use_vllm and cfg.generation_engine not in ("auto", "vllm"):
+        raise UsageError(f"--use_vllm asks for vLLM's engine and --generation_engine {cfg.generation_engine} for "
+                         "another; pass one of them")
+    if not 0.0 < cfg.vllm_gpu_memory_utilization < 1.0:
+        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1) (the share of each GPU's memory vLLM "
+                         f"takes beside training), got {cfg.vllm_gpu_memory_utilization}; pass e.g. 0.3")
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if not (low >= 0 and high >= 0 and math.isfinite(low) and math.isfinite(high)) or (high and low >= high):
+        raise UsageError(f"--vllm_importance_sampling_clip_min {low:g} and --vllm_importance_sampling_clip_max {high:g} "
+                         "must be finite, >= 0 (0: no bound) and min below max; pass e.g. 0 and 3")
+    if "vllm" not in (cfg.generation_engine, "vllm" if cfg.use_vllm else ""):
+        return
+    if cfg.vllm_mode == "server":
+        raise UsageError("--vllm_mode server is not built yet (docs/grpo.md has its plan); pass --vllm_mode colocate, "
+                         "vLLM's engine in each rank's process")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--generation_engine vllm needs vLLM, which is not installed here; pip install vllm where "
+                         "the GPUs are, or pass --generation_engine auto (a replica or the sharded model)")
 
 
 class RolloutObjective(Objective):
@@ -162,7 +214,7 @@ class RolloutObjective(Objective):
     is and how its tokens' losses are reduced."""
     task_class = "finetune.objectives.rollouts:RolloutLM"
     data_format = "prompt"
-    shared = (RolloutOptions, ReferenceOptions)
+    shared = (RolloutOptions, VLLMOptions, ReferenceOptions)
     learning_rates = {"full": 1e-6, "lora": 1e-5}  # TRL's GRPOConfig rate; its LoRA examples use 1e-5
     samples = True
     # The KL to the reference is taken from the rewards (RLOO), not added to the loss (GRPO).
@@ -221,6 +273,7 @@ class RolloutObjective(Objective):
         if not all(math.isfinite(w) for w in cfg.reward_weights):
             raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
         no_reference_model_under_adapters(cfg)
+        check_vllm_options(cfg)
 
     # --- the arithmetic rollouts.py asks for (torch tensors) --------------------------------------
 
@@ -231,10 +284,11 @@ class RolloutObjective(Objective):
         (beta times its summed KL to the reference), else None. A grpo_loss.Advantages."""
         raise NotImplementedError
 
-    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps):
+    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps, importance=None):
         """[B, T] log-probs of the completion tokens under the policy, as it
         sampled (None: the same, detached) and under the reference (None
-        without one); [B] advantages. A grpo_loss.TokenLosses."""
+        without one); [B] advantages; `importance`: [B, T] or [B, 1] weights
+        of the policy term (vLLM's correction; None: 1). A grpo_loss.TokenLosses."""
         raise NotImplementedError
 
     def loss_count(self, cfg, mask) -> float:

@@ -9,11 +9,18 @@
   at a time (each briefly whole on every rank); under LoRA only the adapters,
   the frozen base once. Sampling then gathers nothing and each rank stops at
   its own longest completion.
-- `auto`: `replica` where the backend shards the model and a whole copy fits
-  in half of the memory left beside training, else `sharded`.
+- `auto`: `vllm` where vLLM is installed and runs on the trainer's device,
+  else `replica` where the backend shards the model and a whole copy fits in
+  half of the memory left beside training, else `sharded`.
 
-Both sample the same completions: the same seeds, the same weights in the
-same dtype, the same `generate`.
+- `vllm` (vllm_engine.py): vLLM's engine in each rank's process (TRL's
+  colocate mode), the trained weights loaded into it before each sampling
+  that follows an optimizer step. Its kernels are not the trainer's, so the
+  trainer's log-probs of what it sampled differ a little from the engine's;
+  the loss corrects for that with truncated importance sampling.
+
+`sharded` and `replica` sample the same completions: the same seeds, the
+same weights in the same dtype, the same `generate`.
 """
 
 from __future__ import annotations
@@ -32,16 +39,51 @@ from finetune.collectives import gather_ints
 from finetune.errors import UsageError
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What every engine samples with."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos_token_id: int
+    pad_token_id: int
+    greedy: bool = False
+
+
+@dataclass
+class Sampled:
+    ids: torch.Tensor                  # [N, <= max_new_tokens] completions, padded after the end-of-text token
+    logps: torch.Tensor | None = None  # [N, same] the engine's log-prob of each sampled token (None: the trainer's own)
+
+
 class AsHeld:
     """The policy as the backend holds it."""
     name: ClassVar[str] = "sharded"
 
-    def __init__(self, accelerator: Accelerator, backend: Backend):
+    def __init__(self, accelerator: Accelerator, backend: Backend, cfg=None):
         self.accelerator, self.backend = accelerator, backend
-        self.sync_seconds = 0.0  # spent refreshing a replica since the rollout last read it
+        self.take_seconds()
+
+    def take_seconds(self) -> float:
+        """Seconds spent syncing weights into the engine since the last call."""
+        spent, self.sync_seconds = getattr(self, "sync_seconds", 0.0), 0.0
+        return spent
 
     def weights_changed(self) -> None:
         """The trained weights are about to move (an optimizer step): nothing to do, they are sampled from."""
+
+    def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               sampling: Sampling) -> Sampled:
+        """Completions of left-padded prompts with transformers' `generate`, from the seeded torch RNG."""
+        generator, synced, around = self.generator(model)
+        options = ({"do_sample": False} if sampling.greedy else
+                   {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0})
+        with torch.no_grad(), around:
+            out = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                     max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
+                                     pad_token_id=sampling.pad_token_id, eos_token_id=sampling.eos_token_id,
+                                     use_cache=True, synced_gpus=synced, **options)
+        return Sampled(out[:, prompt_ids.size(1):])
 
     def generator(self, model: torch.nn.Module):
         """(the module whose `generate` samples, whether ranks generate in step, the context around it)."""
@@ -53,7 +95,7 @@ class Replica(AsHeld):
     """A whole copy of the policy on each rank, refreshed from the trained weights."""
     name = "replica"
 
-    def __init__(self, accelerator: Accelerator, backend: Backend):
+    def __init__(self, accelerator: Accelerator, backend: Backend, cfg=None):
         super().__init__(accelerator, backend)
         self.copy: torch.nn.Module | None = None
         self.stale = True
@@ -106,7 +148,10 @@ def put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         table[leaf] = value.clone()
 
 
-ENGINE_CLASSES = {engine.name: engine for engine in (AsHeld, Replica)}
+def engine_classes() -> dict[str, type[AsHeld]]:
+    from finetune.objectives.vllm_engine import VLLMColocate  # vLLM itself is imported only when it starts
+
+    return {engine.name: engine for engine in (AsHeld, Replica, VLLMColocate)}
 
 
 @dataclass
@@ -117,8 +162,13 @@ class EngineChoice:
 
 def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> EngineChoice:
     """The engine --generation_engine names, or `auto`'s pick, with the reason
-    the start line gives; `replica` where a whole copy cannot fit at all is
+    the start line gives; an engine that cannot run here (`replica` where a
+    whole copy cannot fit at all, `vllm` without a vLLM for this device) is
     refused in one line before it is built."""
+    from finetune.objectives import vllm_engine
+
+    if requested == "vllm":
+        return EngineChoice("vllm", vllm_engine.refusal_or_reason(accelerator, asked=True))
     whole, free = replica_bytes(accelerator, backend, model), least_free(accelerator)
     if requested == "replica" and whole > free:
         raise UsageError(f"--generation_engine replica keeps a whole copy of the policy ({gigabytes(whole)}) on each "
@@ -126,6 +176,8 @@ def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, mo
                          "(or auto)")
     if requested != "auto":
         return EngineChoice(requested, f"as asked; a whole copy would be {gigabytes(whole)}")
+    if accelerator.device.type == "cuda" and vllm_engine.installed():
+        return EngineChoice("vllm", vllm_engine.refusal_or_reason(accelerator, asked=False))
     if not backend.shards_parameters(accelerator):
         return EngineChoice("sharded", "each rank holds the whole model: nothing to gather")
     if whole <= free // 2:

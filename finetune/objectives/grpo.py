@@ -36,11 +36,11 @@ class GRPO(RolloutObjective):
 
         return grpo_loss.group_advantages(per_function, weights, cfg.num_generations, cfg.scale_rewards)
 
-    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps):
+    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps, importance=None):
         from finetune.objectives import grpo_loss
 
         return grpo_loss.token_losses(logps, old_logps, advantages, mask, cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
-                                      cfg.beta, reference_logps, cfg.importance_sampling_level)
+                                      cfg.beta, reference_logps, cfg.importance_sampling_level, importance)
 
     def loss_count(self, cfg, mask) -> float:
         from finetune.objectives import grpo_loss

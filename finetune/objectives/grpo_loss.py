@@ -24,6 +24,7 @@ training loop divides it by over the whole global batch:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,13 @@ class TokenLosses:
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                  epsilon_low: float, epsilon_high: float, beta: float = 0.0,
-                 reference_logps: torch.Tensor | None = None, level: str = "token") -> TokenLosses:
+                 reference_logps: torch.Tensor | None = None, level: str = "token",
+                 importance: torch.Tensor | None = None) -> TokenLosses:
     """`logps`, `old_logps`, `reference_logps`: [B, T] log-probs of the
     completion tokens (anything where `mask` is False); `advantages`: [B].
     `level` sequence (GSPO): every token of a completion has the ratio
-    exp(mean of its tokens' log-ratios), clipped as one."""
+    exp(mean of its tokens' log-ratios), clipped as one. `importance` ([B, T]
+    or [B, 1], None: 1) weighs the policy term, not the KL (TRL's order)."""
     old_logps = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old_logps
     if level == "sequence":
@@ -89,6 +92,8 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     advantage = advantages.unsqueeze(1)
     losses = -torch.min(ratio * advantage, clipped * advantage)
+    if importance is not None:
+        losses = losses * importance
     kl = None
     if beta:
         delta = reference_logps - logps
@@ -149,7 +154,8 @@ def leave_one_out_advantages(per_function: torch.Tensor, weights: torch.Tensor, 
 
 
 def sequence_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
-                    mask: torch.Tensor, epsilon_low: float, epsilon_high: float, normalized: bool) -> TokenLosses:
+                    mask: torch.Tensor, epsilon_low: float, epsilon_high: float, normalized: bool,
+                    importance: torch.Tensor | None = None) -> TokenLosses:
     """RLOO's loss (TRL's RLOOTrainer): one clipped term a completion, on the
     ratio of the whole sequence, exp(sum of its tokens' log-ratios), or with
     `normalized` (GSPO) of their mean; spread over its tokens, so that their sum
@@ -163,4 +169,36 @@ def sequence_losses(logps: torch.Tensor, old_logps: torch.Tensor | None, advanta
     mask = mask.bool()
     low = ((ratio < 1 - epsilon_low) & (advantages < 0)).unsqueeze(1) & mask
     high = ((ratio > 1 + epsilon_high) & (advantages > 0)).unsqueeze(1) & mask
-    return TokenLosses((losses / tokens).unsqueeze(1) * mask, None, low, high)
+    spread = (losses / tokens).unsqueeze(1)
+    if importance is not None:
+        spread = spread * importance
+    return TokenLosses(spread * mask, None, low, high)
+
+
+def engine_importance(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                      clip_min: float, clip_max: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's vLLM importance-sampling correction: the ratio of the trainer's
+    probability of each sampled token to the engine's ([B, T] for token_*
+    modes, [B, 1] the completion's product for sequence_*), clipped to
+    [clip_min, clip_max] (_truncate) or 0 outside them (_mask); a bound of 0 is
+    none. Also the ratio's min, mean and max and the log-prob differences'
+    mean and max over the completion tokens (TRL's sampling/ metrics), as
+    tensors for the caller to reduce over ranks."""
+    mask = mask.bool()
+    diff = (trainer_logps - engine_logps).masked_fill(~mask, 0.0)
+    sequence = mode.startswith("sequence")
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if sequence else diff)
+    low, high = (clip_min or None), (clip_max or None)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=low, max=high)
+    else:
+        outside = (ratio < (low or -math.inf)) | (ratio > (high or math.inf))
+        ratio = ratio.masked_fill(outside, 0.0)
+    kept = ratio.flatten() if sequence else ratio[mask]
+    delta = diff.abs()[mask]
+    zero = diff.new_zeros(())
+    return ratio, {"importance_sampling_ratio/min": kept.min() if kept.numel() else zero,
+                   "importance_sampling_ratio/mean": kept.mean() if kept.numel() else zero,
+                   "importance_sampling_ratio/max": kept.max() if kept.numel() else zero,
+                   "sampling_logp_difference/mean": delta.mean() if delta.numel() else zero,
+                   "sampling_logp_difference/max": delta.max() if delta.numel() else zero}

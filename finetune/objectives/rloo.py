@@ -36,11 +36,12 @@ class RLOO(RolloutObjective):
         return grpo_loss.leave_one_out_advantages(per_function, weights, cfg.num_generations, penalty,
                                                   cfg.normalize_advantages)
 
-    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps):
+    def token_losses(self, cfg, logps, old_logps, advantages, mask, reference_logps, importance=None):
         from finetune.objectives import grpo_loss
 
         return grpo_loss.sequence_losses(logps, old_logps, advantages, mask, cfg.epsilon,
-                                         cfg.epsilon_high or cfg.epsilon, cfg.importance_sampling_level == "sequence")
+                                         cfg.epsilon_high or cfg.epsilon, cfg.importance_sampling_level == "sequence",
+                                         importance)
 
     def loss_count(self, cfg, mask) -> float:
         return float(len(mask))  # completions

@@ -12,8 +12,9 @@ rollout's number, the rank), and a checkpoint saves a rollout still in use,
 so a resume draws and trains on exactly what the uninterrupted run did.
 
 Sampling sits behind one seam, `Sampler.sample(model, prompt_ids,
-prompt_mask, greedy) -> completion_ids`, on the module the generation engine
-(engines.py: the policy as held, or a replica) gives. Evaluations decode one greedy completion per held-out
+prompt_mask, greedy) -> Sampled` (completion ids, and the engine's log-probs
+of them where it computes its own), on the generation engine the run picked
+(engines.py: the policy as held, a replica, or vLLM's engine). Evaluations decode one greedy completion per held-out
 prompt and report its reward (`reward` in eval rows; `eval_loss` is its negative).
 """
 
@@ -23,6 +24,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +39,7 @@ from finetune.errors import UsageError
 from finetune.report import say
 from finetune.signals import NoSignal
 from finetune.objectives import grpo_loss
-from finetune.objectives.engines import ENGINE_CLASSES, AsHeld, choose_engine
+from finetune.objectives.engines import AsHeld, Sampled, Sampling, choose_engine, engine_classes
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData
@@ -47,7 +49,7 @@ from finetune import json_text
 
 # Summed over a step's completion tokens, logged as their means (TRL's names).
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-FLOAT_KEYS = ("advantages", "old_logps", "reference_logps")  # a saved rollout's float tensors
+FLOAT_KEYS = ("advantages", "old_logps", "reference_logps", "importance")  # a saved rollout's float tensors
 COMPLETIONS_FILE = "completions.jsonl"
 
 
@@ -69,26 +71,16 @@ class PromptCollator:
 
 
 class Sampler:
-    """Completions of left-padded prompts with transformers' `generate`, on the
-    module the engine (engines.py) gives: the policy as the backend holds it,
-    every rank running as many forwards as the longest (synced), or a replica."""
+    """Completions of left-padded prompts, from the engine (engines.py) the run
+    picked, with the run's sampling settings."""
 
     def __init__(self, engine: AsHeld, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, temperature: float,
                  top_p: float):
-        self.engine, self.tokenizer = engine, tokenizer
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.engine = engine
+        self.settings = Sampling(max_new_tokens, temperature, top_p, tokenizer.eos_token_id, pad_id(tokenizer))
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """[N, <= max_new_tokens] completion ids, padded after the end-of-text token."""
-        sampling = {} if greedy else {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-                                      "top_k": 0}
-        generator, synced, around = self.engine.generator(model)
-        with torch.no_grad(), around:
-            out = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=self.max_new_tokens,
-                                     min_new_tokens=0, pad_token_id=pad_id(self.tokenizer),
-                                     eos_token_id=self.tokenizer.eos_token_id, use_cache=True, synced_gpus=synced,
-                                     **({"do_sample": False} if greedy else sampling))
-        return out[:, prompt_ids.size(1):]
+    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool) -> Sampled:
+        return self.engine.sample(model, prompt_ids, prompt_mask, replace(self.settings, greedy=greedy))
 
 
 @contextmanager
@@ -120,6 +112,7 @@ class RolloutLM(WithReference, CausalLM):
         self.run_dir: Path | None = None
         self.rollout_metrics: dict[str, float] = {}  # of the rollout the step trained on
         self.warned_unscored = False  # the warning that no completion got a reward, said once
+        self.training_started = time.perf_counter()  # of the step's training, after its rollout
         self.sample_prompt: str | list | None = None  # a held-out prompt (text or messages)
 
     @property
@@ -143,9 +136,9 @@ class RolloutLM(WithReference, CausalLM):
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         self.lay_out_reference(accelerator, backend)
         self.policy, self.backend = model, backend
-        engine = choose_engine(self.cfg.generation_engine, accelerator, backend, model)
+        engine = choose_engine("vllm" if self.cfg.use_vllm else self.cfg.generation_engine, accelerator, backend, model)
         say(accelerator, f"generation: {engine.name} ({engine.why})")
-        self.sampler = Sampler(ENGINE_CLASSES[engine.name](accelerator, backend), self.tokenizer,
+        self.sampler = Sampler(engine_classes()[engine.name](accelerator, backend, self.cfg), self.tokenizer,
                                self.cfg.max_completion_length, self.cfg.temperature, self.cfg.top_p)
 
     def summary_facts(self) -> dict[str, Any]:
@@ -233,23 +226,28 @@ class RolloutLM(WithReference, CausalLM):
         model = self.policy
         was_training = model.training
         model.eval()
-        started, self.sampler.engine.sync_seconds = time.perf_counter(), 0.0
+        started = time.perf_counter()
+        self.sampler.engine.take_seconds()
         with seeded(cfg.seed * 1_000_003 + number * 7919 + acc.process_index, acc.device):
             sampled = [self.sampler.sample(model, b["prompt_ids"].repeat_interleave(groups, 0),
                                            b["prompt_mask"].repeat_interleave(groups, 0), greedy=False)
                        for b in prompt_batches]
         model.train(was_training)
-        timing = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.sync_seconds}
-        batches = [self._completion_batch(b, ids) for b, ids in zip(prompt_batches, sampled)]
+        timing = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.take_seconds()}
+        batches = [self._completion_batch(b, out) for b, out in zip(prompt_batches, sampled)]
         per_function = torch.cat([b.pop("_rewards") for b in batches])
         lengths = torch.cat([b["completion_length"] for b in batches]).cpu().float()
         truncated = torch.cat([b["truncated"] for b in batches]).cpu().float()
         kl_from_reward = cfg.beta > 0 and self.objective.takes_kl_from_reward
-        if cfg.num_iterations > 1 or kl_from_reward:  # the policy as it sampled: the ratio's denominator
+        engine_logps = [b.pop("_engine_logps") for b in batches if "_engine_logps" in b]
+        correcting = bool(engine_logps) and cfg.vllm_importance_sampling_correction
+        if cfg.num_iterations > 1 or kl_from_reward or engine_logps:  # the policy as it sampled: the ratio's denominator
             sampled_logps = [self._token_logps(model, batch) for batch in batches]
-            if cfg.num_iterations > 1:
+            if cfg.num_iterations > 1 or correcting:
                 for batch, logps in zip(batches, sampled_logps):
                     batch["old_logps"] = logps
+        if engine_logps:
+            timing.update(self._engine_importance(batches, sampled_logps, engine_logps, correcting))
         if cfg.beta > 0:
             for batch in batches:
                 batch["reference_logps"] = self.with_reference(model, lambda scorer: self._token_logps(scorer, batch))
@@ -286,9 +284,32 @@ class RolloutLM(WithReference, CausalLM):
             self._log_completions(batches[0], per_function, advantages.advantages[mine], number)
         return batches
 
-    def _completion_batch(self, prompts: dict, completion_ids: torch.Tensor) -> dict:
+    def _engine_importance(self, batches: list[dict], trainer_logps: list[torch.Tensor],
+                           engine_logps: list[torch.Tensor], correcting: bool) -> dict[str, float]:
+        """The engine's and the trainer's log-probs of the sampled tokens compared
+        (TRL's sampling/ metrics, over every rank) and, when correcting, each
+        batch's importance weights (grpo_loss.engine_importance)."""
+        cfg, acc = self.cfg, self.accelerator
+        parts = []
+        for batch, trainer, engine in zip(batches, trainer_logps, engine_logps):
+            mask = next_token_targets(batch["labels"]) != IGNORE
+            ratio, stats = grpo_loss.engine_importance(trainer, engine, mask, cfg.vllm_importance_sampling_mode,
+                                                       cfg.vllm_importance_sampling_clip_min,
+                                                       cfg.vllm_importance_sampling_clip_max)
+            if correcting:
+                batch["importance"] = ratio
+            parts.append(torch.stack(list(stats.values())))
+        names = [f"sampling/{name}" for name in stats]
+        everyone = acc.gather(torch.stack(parts).to(acc.device)).cpu()  # [ranks x batches, metrics]
+        reduce = {"min": torch.min, "max": torch.max, "mean": torch.mean}
+        return {name: float(reduce[name.rsplit("/", 1)[1]](everyone[:, j])) for j, name in enumerate(names)}
+
+    def _completion_batch(self, prompts: dict, sampled: Sampled) -> dict:
         """Training rows of prompt + completion (up to its end-of-text token),
-        right-padded, labelled on the completion; and the completions' rewards."""
+        right-padded, labelled on the completion; the completions' rewards; and
+        the engine's log-probs of them where it gives its own, placed as the
+        trainer's are (position t scores token t + 1)."""
+        completion_ids = sampled.ids
         cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, pad_id(self.tokenizer)
         groups = cfg.num_generations
         prompt_ids = prompts["prompt_ids"].repeat_interleave(groups, 0).cpu()
@@ -311,6 +332,12 @@ class RolloutLM(WithReference, CausalLM):
         batch["completion_length"] = torch.tensor([len(c) for c in kept])
         batch["truncated"] = torch.tensor(truncated)
         batch["row"] = torch.tensor(rows)
+        if sampled.logps is not None:
+            placed = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+            for i, (p_mask, completion) in enumerate(zip(prompt_mask, kept)):
+                start = int(p_mask.sum()) - 1
+                placed[i, start:start + len(completion)] = sampled.logps[i, :len(completion)].cpu()
+            batch["_engine_logps"] = placed
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         batch["_rewards"] = torch.tensor(self._score(rows, kept), dtype=torch.float32)
         return batch
@@ -363,7 +390,7 @@ class RolloutLM(WithReference, CausalLM):
         """[B, T] log-probs of each position's target token (0 where none), without gradients."""
         with torch.no_grad():
             targets = next_token_targets(batch["labels"])
-            return -full_logits_nll(model(**model_inputs(model, batch)).logits, targets)
+            return -full_logits_nll(model(**model_inputs(model, batch)).logits / self.cfg.temperature, targets)
 
     # --- loss -------------------------------------------------------------------------------------
 
@@ -384,10 +411,11 @@ class RolloutLM(WithReference, CausalLM):
             self.sampler.engine.weights_changed()
         targets = next_token_targets(batch["labels"])
         mask = targets != IGNORE
-        logits = model(**model_inputs(model, batch)).logits
+        # The distribution sampled from: the logits at the sampling temperature (TRL's).
+        logits = model(**model_inputs(model, batch)).logits / cfg.temperature
         logps = -full_logits_nll(logits, targets)
         terms = self.objective.token_losses(cfg, logps, batch.get("old_logps"), batch["advantages"], mask,
-                                            batch.get("reference_logps"))
+                                            batch.get("reference_logps"), batch.get("importance"))
         total, _ = self.objective.reduced(cfg, terms.losses, mask)
         with torch.no_grad():
             entropy = (grpo_loss.entropy(logits.detach()) * mask).sum()
@@ -405,7 +433,7 @@ class RolloutLM(WithReference, CausalLM):
         means = {name: value / tokens for name, value in sums.items()}
         if not self.cfg.beta or "kl" in self.rollout_metrics:  # no KL term, or the rewards paid it
             means.pop("kl")
-        return {**self.rollout_metrics, **means}
+        return {**self.rollout_metrics, **means, "train_time": time.perf_counter() - self.training_started}
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -420,7 +448,7 @@ class RolloutLM(WithReference, CausalLM):
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
-            ids = self.sampler.sample(model, batch["prompt_ids"], batch["prompt_mask"], greedy=True)
+            ids = self.sampler.sample(model, batch["prompt_ids"], batch["prompt_mask"], greedy=True).ids
             completions = [self._until_end(c) for c in ids.cpu()]
             table = torch.tensor(self._score(batch["row"].tolist(), completions), dtype=torch.float64)
             total = (table * self.weights.double()).nansum(dim=1)
@@ -465,6 +493,7 @@ class RolloutBatches:
         else:
             self.epoch_ended = False
         self.uses_left -= 1
+        self.task.training_started = time.perf_counter()  # the step's forwards, backwards and optimizer step follow
         return self.buffer
 
     def end_epoch(self) -> None:

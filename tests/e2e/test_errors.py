@@ -303,6 +303,14 @@ CASES = {
         lambda t: [*_chat_model(t), *_chat_rows(t, {"prompt": [{"role": "user", "content": "say a"}]}), "--method",
                    "grpo", "--reward_funcs", str(t / "chat-model")],
         "is a model dir of LlamaForCausalLM, not a reward model"),
+    "GRPO: vLLM's engine where vLLM is not installed": (lambda t: _grpo(t, "format", "--generation_engine", "vllm"),
+                                                        "needs vLLM, which is not installed here"),
+    "GRPO: a vLLM memory share outside (0, 1)": (
+        lambda t: _grpo(t, "format", "--use_vllm", "--vllm_gpu_memory_utilization", "1.5"), "must be in (0, 1)"),
+    "GRPO: vLLM's server mode": (lambda t: _grpo(t, "format", "--use_vllm", "--vllm_mode", "server"),
+                                 "--vllm_mode server is not built yet"),
+    "GRPO: --use_vllm beside another engine": (lambda t: _grpo(t, "format", "--use_vllm", "--generation_engine", "sharded"),
+                                               "--use_vllm asks for vLLM's engine and --generation_engine sharded"),
     "a reward model on a preset built from scratch": (lambda t: ["--method", "reward"],
                                                       "--method reward puts a score head on a pretrained"),
 }

@@ -186,6 +186,57 @@ def test_the_replica_samples_what_the_sharded_model_does(grpo, fp32_run, tmp_pat
     same_run(tmp_path / "zero3-replica", tmp_path / "zero3-sharded")
 
 
+def test_vllm_engine_samples_from_the_trained_weights_and_sleeps_while_training(grpo, tmp_path, env):
+    """--generation_engine vllm against the stand-in with vLLM's interface
+    (tests/stand_ins/vllm: vLLM's CPU build does not install here), under
+    2-process FSDP2: full weights with sleep mode, and LoRA (merged into the
+    weights it loads) without. The engine's log-probs of what it sampled equal
+    the trainer's at every step, so it sampled from the trained weights each
+    time; it was woken to sample and put back to sleep; each load sent every weight."""
+    stand_in = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "stand_ins"),
+                                                                     env.get("PYTHONPATH")]))}
+    log = tmp_path / "engine.jsonl"
+    stand_in["VLLM_STAND_IN_LOG"] = str(log)
+    cases = {"full": ["--generation_engine", "vllm", "--vllm_enable_sleep_mode"],
+             "lora": ["--use_vllm", "--peft", "lora", "--learning_rate", "5e-2"]}
+    procs = run_cli_together([(grpo_args(grpo, "--max_steps", "3", *extra, "--output_dir", tmp_path / name),
+                               dict(mixed_precision="no")) for name, extra in cases.items()], stand_in)
+    model = AutoModelForCausalLM.from_pretrained(grpo["model"])
+    weights = len(dict(model.named_parameters(remove_duplicate=False)))
+    runs = {}  # each run's events, by the process that made them
+    for event in read_jsonl(log):
+        if event["event"] == "start":
+            runs[event["pid"]] = Path(event["argv"][event["argv"].index("--output_dir") + 1]).name
+    for proc, name in zip(procs, cases):
+        check_ok(proc)
+        assert "generation: vllm (as asked)" in proc.stdout, proc.stdout[-2000:]
+        assert json.loads((tmp_path / name / "summary.json").read_text())["generation_engine"] == "vllm"
+        rows = train_rows(tmp_path / name)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for row in rows:
+            assert row["sampling/sampling_logp_difference/max"] < 1e-4, (name, row)
+            assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3), (name, row)
+            assert row["rollout_time"] > 0 and row["train_time"] > 0, (name, row)
+        # Awake throughout, LoRA's first rollout samples the weights loaded for the first evaluation.
+        assert all(row["weight_sync_time"] > 0 for row in rows[name == "lora":]), name
+        events = [e for e in read_jsonl(log) if runs.get(e["pid"]) == name]
+        for rank in (0, 1):
+            mine = [e for e in events if e["rank"] == rank]
+            start = mine[0]
+            assert start["event"] == "start" and start["distributed_executor_backend"] == "external_launcher"
+            assert start["gpu_memory_utilization"] == 0.3 and start["enable_sleep_mode"] == (name == "full")
+            generated = [e for e in mine if e["event"] == "generate"]
+            assert generated and all(e["finite"] for e in generated), name
+            loads = [e["loaded"] for e in mine if e["event"] == "reset_prefix_cache"]
+            assert loads and all(n == weights for n in loads), (name, loads, weights)
+            if name == "full":  # woken for each sampling, the weights loaded again, asleep while training
+                kinds = [e["event"] for e in mine[1:]]
+                assert kinds[0] == "sleep" and kinds.count("generate") == kinds.count("sleep") - 1, kinds
+                assert len(loads) == len(generated)
+            else:  # awake throughout; loaded again only after an optimizer step
+                assert "sleep" not in [e["event"] for e in mine] and len(loads) <= 1 + 3, loads
+
+
 @pytest.mark.slow
 def test_a_run_stopped_by_sigterm_resumes_with_the_same_completions_and_losses(grpo, fp32_run, tmp_path, env):
     """The stopped run, resumed from a plain shell (naming its reward file

@@ -4,6 +4,8 @@ after the trained weights move; auto's pick and the replica that cannot fit."""
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -78,4 +80,59 @@ def test_auto_takes_the_replica_where_it_fits_and_a_replica_that_cannot_fit_is_o
     with pytest.raises(UsageError, match=r"--generation_engine replica keeps a whole copy of the policy .* pass "
                                          r"--generation_engine sharded"):
         choose_engine("replica", accelerator, Sharding(), model)
-    assert type(engines.ENGINE_CLASSES["sharded"](accelerator, Backend())) is AsHeld
+    assert type(engines.engine_classes()["sharded"](accelerator, Backend())) is AsHeld
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_weights_vllm_loads_are_peft_merged_checkpoint_under_lora(tokenizer, arch):
+    """What the vllm engine loads into vLLM, named and valued as the merged
+    model's own checkpoint (peft's merge_and_unload), adapters that moved;
+    GPT-2's Conv1D layers hold their weights transposed (fan_in_fan_out)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from finetune.objectives.vllm_engine import merged_weights
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        model, targets = tiny_llama(tokenizer), ["q_proj", "v_proj", "down_proj"]
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64))
+        targets = ["c_attn", "c_proj"]
+    adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                               fan_in_fan_out=arch == "gpt2"))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.3)  # trained adapters: B is no longer 0
+    sent = dict(merged_weights(adapted, ((n, p.detach()) for n, p in adapted.named_parameters())))
+    merged = copy.deepcopy(adapted).merge_and_unload()
+    expected = dict(merged.named_parameters())
+    assert sorted(sent) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.allclose(sent[name], tensor, atol=1e-6), name
+    base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+            for n, p in adapted.named_parameters() if "lora_" not in n}
+    changed = {n for n in expected if not torch.allclose(expected[n], base[n])}  # the adapters moved these alone
+    assert changed == {n for n in expected if n.endswith(".weight") and n.split(".")[-2] in targets}
+
+
+def test_vllm_built_for_another_device_is_refused_in_one_line(monkeypatch):
+    """vLLM's engine must share the trainer's device: the stand-in reports a
+    GPU build to a CPU run, as vLLM's CUDA wheel does on a machine without one."""
+    import sys
+
+    from finetune.objectives import vllm_engine
+
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "stand_ins"))
+    monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cuda")
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(UsageError, match=r"vLLM here runs on cuda and this run trains on cpu: .*; install the vLLM "
+                                         r"build for it, or pass --generation_engine auto"):
+        vllm_engine.refusal_or_reason(cpu, asked=True)
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cpu")
+    assert vllm_engine.refusal_or_reason(cpu, asked=True) == "as asked"

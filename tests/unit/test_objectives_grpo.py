@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
+from finetune.objectives.engines import Sampled
 from finetune.objectives.rollouts import RolloutLM
 from tests.sft_models import chat_tokenizer, conversations
 
@@ -85,15 +86,16 @@ def fixed_rollout(task: RolloutLM, tokenizer, seed: int):
     return prompts, texts, prompt_batch, torch.tensor(completions)
 
 
-def independent(model, prompts, completions, rewards, loss_type, epsilon, beta, old_model, reference, mask_cut, eos):
-    """TRL's formulas, one unpadded sequence at a time."""
+def independent(model, prompts, completions, rewards, loss_type, epsilon, beta, old_model, reference, mask_cut, eos,
+                temperature=1.0):
+    """TRL's formulas, one unpadded sequence at a time, on the logits at the sampling temperature."""
     rewards = torch.tensor(rewards, dtype=torch.float64)
     groups = rewards.view(-1, GROUPS)
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
     per_sequence, kls, entropies, tokens, low, high = [], [], [], 0, 0, 0
 
     def logps_of(m, sequence, n):
-        logits = m(torch.tensor([sequence])).logits[0, -n - 1:-1].double()
+        logits = m(torch.tensor([sequence])).logits[0, -n - 1:-1].double() / temperature
         return torch.log_softmax(logits, -1), torch.tensor(sequence[-n:])
 
     for i, ids in enumerate(completions):
@@ -134,7 +136,7 @@ def ours(task, model, prompt_batch, completions, old_model=None, reference=None)
     """The rows, advantages and loss as a step computes them, the two prompts'
     groups as two micro-batches."""
     halves = [{k: v[i:i + 1] for k, v in prompt_batch.items()} for i in range(2)]
-    batches = [task._completion_batch(h, completions[i * GROUPS:(i + 1) * GROUPS]) for i, h in enumerate(halves)]
+    batches = [task._completion_batch(h, Sampled(completions[i * GROUPS:(i + 1) * GROUPS])) for i, h in enumerate(halves)]
     per_function = torch.cat([b.pop("_rewards") for b in batches])
     adv = grpo_loss.group_advantages(per_function, task.weights, GROUPS, task.cfg.scale_rewards)
     for i, b in enumerate(batches):
@@ -156,8 +158,9 @@ def ours(task, model, prompt_batch, completions, old_model=None, reference=None)
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_loss_advantages_and_metrics_match_the_formulas(tokenizer, model, loss_type, beta, num_iterations):
     epsilon = (0.2, 0.28)
+    temperature = 0.7 if beta else 1.0  # the log-probs are of the distribution sampled from
     task = grpo_task(tokenizer, loss_type=loss_type, beta=beta, num_iterations=num_iterations, epsilon=epsilon[0],
-                     epsilon_high=epsilon[1])
+                     epsilon_high=epsilon[1], temperature=temperature)
     prompts, texts, prompt_batch, completions = fixed_rollout(task, tokenizer, seed=1)
     # num_iterations 2: the second step's policy has moved from the one that sampled.
     old_model = moved(model, 2.0, seed=5) if num_iterations > 1 else None
@@ -165,7 +168,7 @@ def test_loss_advantages_and_metrics_match_the_formulas(tokenizer, model, loss_t
     got = ours(task, model, prompt_batch, completions, old_model, reference)
     rewards = [float(i % GROUPS == 1) + 0.5 * -len(ids) / COMPLETION_LENGTH for i, ids in enumerate(texts)]
     want = independent(model, prompts, texts, rewards, loss_type, epsilon, beta, old_model, reference, False,
-                       tokenizer.eos_token_id)
+                       tokenizer.eos_token_id, temperature)
     assert got["rewards"].tolist() == pytest.approx(rewards, abs=1e-6)
     assert got["advantages"].tolist() == pytest.approx(want["advantages"].tolist(), abs=1e-5)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
@@ -215,7 +218,7 @@ def test_a_sample_of_completions_goes_to_completions_jsonl_and_the_trackers_with
     tracker = SimpleNamespace(log_table=lambda name, columns, data, step: tables.append((name, columns, data, step)))
     task.accelerator = SimpleNamespace(device=torch.device("cpu"), trackers=[tracker, SimpleNamespace()])
     task.run_dir = tmp_path
-    batch = task._completion_batch({k: v[:1] for k, v in prompt_batch.items()}, completions[:GROUPS])
+    batch = task._completion_batch({k: v[:1] for k, v in prompt_batch.items()}, Sampled(completions[:GROUPS]))
     rewards = batch.pop("_rewards")
     task._log_completions(batch, rewards, torch.arange(GROUPS, dtype=torch.float32), number=3)
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
@@ -260,3 +263,43 @@ def test_a_saved_rollout_unlike_any_the_run_made_is_one_line_and_a_cut_line_of_s
             _resuming(tmp_path, [damaged])
     with pytest.raises(UsageError, match="no micro-batch"):
         _resuming(tmp_path, [])
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_the_engine_correction_is_trls_truncated_or_masked_importance_ratio(mode):
+    """vLLM's correction (TRL's vllm_importance_sampling_mode), written here from
+    its definition, each token or sequence on its own; and the loss it weighs."""
+    torch.manual_seed(3)
+    trainer = -torch.rand(4, 7) * 3
+    engine = trainer + torch.randn(4, 7) * 0.6
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[:, :2] = False  # the prompt
+    mask[1, 5:] = False  # a completion that ended
+    low, high = 0.5, 2.0
+    ratio, stats = grpo_loss.engine_importance(trainer, engine, mask, mode, low, high)
+    sequence = mode.startswith("sequence")
+    for i in range(4):
+        positions = [t for t in range(7) if mask[i, t]]
+        if sequence:
+            values = [math.exp(sum(float(trainer[i, t] - engine[i, t]) for t in positions))]
+        else:
+            values = [math.exp(float(trainer[i, t] - engine[i, t])) for t in positions]
+        if mode.endswith("truncate"):
+            values = [min(max(v, low), high) for v in values]
+        else:
+            values = [v if low <= v <= high else 0.0 for v in values]
+        got = ratio[i, :1] if sequence else ratio[i, positions]
+        assert got.tolist() == pytest.approx(values, rel=1e-5), (mode, i)
+    differences = (trainer - engine).abs()[mask]
+    assert float(stats["sampling_logp_difference/max"]) == pytest.approx(float(differences.max()))
+    assert float(stats["sampling_logp_difference/mean"]) == pytest.approx(float(differences.mean()))
+    kept = ratio.flatten() if sequence else ratio[mask]
+    assert float(stats["importance_sampling_ratio/min"]) == float(kept.min())
+    # The weight multiplies the policy term; the KL term is added unweighted (TRL's order).
+    logps, advantages = trainer.clone(), torch.tensor([1.0, -0.5, 0.25, 2.0])
+    reference = trainer - 0.1
+    plain = grpo_loss.token_losses(logps, None, advantages, mask, 0.2, 0.2, 0.04, reference)
+    weighted = grpo_loss.token_losses(logps, None, advantages, mask, 0.2, 0.2, 0.04, reference, importance=ratio)
+    kl = plain.kl
+    assert torch.allclose(weighted.losses, (plain.losses - 0.04 * kl) * ratio * mask + 0.04 * kl)
+    assert not torch.allclose(weighted.losses, plain.losses)

@@ -11,6 +11,7 @@ import torch
 
 from finetune.config import TrainConfig
 from finetune.objectives import grpo_loss
+from finetune.objectives.engines import Sampled
 from finetune.objectives.rollouts import RolloutLM
 from tests.sft_models import chat_tokenizer, conversations, tiny_llama
 from tests.unit.test_objectives_grpo import COMPLETION_LENGTH, GROUPS, fixed_rollout, grpo_task, moved
@@ -41,7 +42,7 @@ def our_step(task: RolloutLM, model, prompt_batch, completions, old_model=None, 
     and loss as a step computes them, the two prompts' groups as two micro-batches."""
     cfg = task.cfg
     halves = [{k: v[i:i + 1] for k, v in prompt_batch.items()} for i in range(2)]
-    batches = [task._completion_batch(h, completions[i * GROUPS:(i + 1) * GROUPS]) for i, h in enumerate(halves)]
+    batches = [task._completion_batch(h, Sampled(completions[i * GROUPS:(i + 1) * GROUPS])) for i, h in enumerate(halves)]
     per_function = torch.cat([b.pop("_rewards") for b in batches])
     penalty = None
     if reference is not None:
