@@ -29,7 +29,7 @@ from finetune.errors import NotDistributed, RankLost, Stopped, UsageError, missi
 from finetune.launch_request import no_deepspeed_engine
 from finetune.models.attention import IMPLEMENTATIONS as ATTN_IMPLEMENTATIONS
 from finetune.objectives import OBJECTIVES, READERS as OBJECTIVE_READERS, REGISTRY as OBJECTIVE_REGISTRY
-from finetune.objectives.base import ReferenceOptions
+from finetune.objectives.base import GENERATION_ENGINES, ReferenceOptions
 from finetune.objectives.rewards import absolute_reward, is_user_code
 from finetune.peft import PEFT_METHODS, READERS as PEFT_READERS, REGISTRY as PEFT_REGISTRY
 from finetune.tasks import REGISTRY
@@ -334,6 +334,13 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--beta", type=float, default=None,
                         help="grpo, rloo: the KL coefficient; above 0 a frozen reference is held (default: the "
                              "objective's, 0 for grpo)")
+    memory.add_argument("--generation_engine", choices=GENERATION_ENGINES, default="auto",
+                        help="grpo, rloo: as for train: a replica adds a whole copy of the policy in the compute dtype "
+                             "to each rank (auto: where the state is sharded); vllm adds "
+                             "--vllm_gpu_memory_utilization of --device_memory (default: 'auto')")
+    memory.add_argument("--vllm_gpu_memory_utilization", type=float, default=TrainConfig().vllm_gpu_memory_utilization,
+                        help="as for train: vLLM's share of each GPU, its weights and KV cache "
+                             f"(default: {TrainConfig().vllm_gpu_memory_utilization})")
     memory.add_argument("--lora_r", type=positive_int, default=TrainConfig().lora_r,
                         help=f"as for train (default: {TrainConfig().lora_r})")
     memory.add_argument("--lora_target_modules", default=TrainConfig().lora_target_modules,
@@ -592,9 +599,37 @@ def by_plan(rule) -> list[str]:
     return [name for name, objective in OBJECTIVE_REGISTRY.items() if rule(type(objective))]
 
 
+def engine_plan(args: argparse.Namespace, shape, estimates, compute_bytes: int, num_processes: int) -> str:
+    """The generation engine's paragraph of estimate-memory: what it holds and,
+    for vLLM, the KV cache its share leaves once the weights are in it."""
+    from finetune.memory import vllm_kv_tokens
+
+    whole = shape.params * compute_bytes
+    if args.generation_engine == "vllm":
+        if not args.device_memory:
+            return ("Generation engine vllm: it takes --vllm_gpu_memory_utilization of each GPU; pass --device_memory "
+                    "to plan it beside training.")
+        share = int(args.vllm_gpu_memory_utilization * args.device_memory)
+        tokens = vllm_kv_tokens(shape, args.vllm_gpu_memory_utilization, args.device_memory, compute_bytes)
+        cache = (f"after the weights ({whole / 2**30:.2f} GiB) a KV cache of about {tokens:,} tokens (at least; fewer "
+                 f"KV heads hold more), {tokens // max(args.block_size, 1):,} sequences of {args.block_size}"
+                 if tokens > 0 else f"which does not hold the weights ({whole / 2**30:.2f} GiB): raise "
+                 "--vllm_gpu_memory_utilization")
+        return (f"Generation engine vllm: {share / 2**30:.2f} GiB of each GPU ({args.vllm_gpu_memory_utilization} of "
+                f"{args.device_memory / 2**30:.2f} GiB), {cache}; the generation engine column counts it and fits "
+                "says whether training fits in the rest.")
+    if any(e.engine for e in estimates):
+        where = "every strategy" if args.generation_engine == "replica" else "the strategies that shard the state"
+        return (f"Generation engine {args.generation_engine}: a whole copy of the policy, {whole / 2**30:.2f} GiB a "
+                f"rank in the compute dtype, under {where} (the generation engine column); --generation_engine "
+                "sharded samples from the model as held instead (slower: every token gathers every layer).")
+    return (f"Generation engine {args.generation_engine}: completions are sampled from the model as each rank holds "
+            "it: nothing beside training.")
+
+
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
     keep_torchao_out_of_transformers()
-    from finetune.memory import (data_ram_line, estimate, host_ram, kv_cache_bytes, model_shape, planned_meshes,
+    from finetune.memory import (data_ram_line, engine_bytes, estimate, host_ram, kv_cache_bytes, model_shape, planned_meshes,
                                  read_launch_config, render, render_traffic)
 
     launch = read_launch_config(args.accelerate_config, args.num_processes)
@@ -607,6 +642,14 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
     peft = peft_for(TrainConfig(peft=args.peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules))
     objective = OBJECTIVE_REGISTRY[args.objective]
+    if not objective.samples and (args.generation_engine != "auto" or
+                                  args.vllm_gpu_memory_utilization != TrainConfig().vllm_gpu_memory_utilization):
+        raise UsageError(f"--generation_engine and --vllm_gpu_memory_utilization plan the sampling of "
+                         f"{' and '.join(by_plan(lambda o: o.samples))}, and --method is {args.objective}; drop them "
+                         "or pass --method grpo")
+    if not 0 < args.vllm_gpu_memory_utilization < 1:
+        raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1), got {args.vllm_gpu_memory_utilization}; "
+                         "pass e.g. 0.3")
     shape = model_shape(args.model, peft, num_processes, task=objective.tasks[0])
     ram_efficient_loading = launch.ram_efficient_loading and not peft.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
@@ -621,6 +664,10 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
                          sequences_per_row=objective.sequences_per_row, samples=objective.samples,
                          reference_copy=reference_copy, meshes=meshes, packed_rows=args.packed,
                          attn_implementation=args.attn_implementation)
+    if objective.samples:
+        for e in estimates:
+            e.engine = engine_bytes(shape, args.generation_engine, e, 2 if mixed_precision == "bf16" else 4,
+                                    num_processes, args.vllm_gpu_memory_utilization, args.device_memory)
     # Where the backend keeps no shard at load, every rank loads the whole model (ZeRO-3's
     # final save, which gathers it on the main process, is not modelled).
     host = host_ram(shape, num_processes, num_processes > 1 and launch.keeps_a_shard_when_loaded,
@@ -629,6 +676,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     print("\n" + data_ram_line(args.streaming, args.dataloader_num_workers, args.block_size))
     if objective.samples:
         compute = 2 if mixed_precision == "bf16" else 4
+        print("\n" + engine_plan(args, shape, estimates, compute, num_processes))
         kv = kv_cache_bytes(shape, args.per_device_batch_size, args.block_size, compute)
         print(f"\n{args.objective.upper()}: sampling {args.per_device_batch_size} completions a rank (prompt and completion within "
               f"{args.block_size} tokens) holds a KV cache of up to {kv / 2**30:.2f} GiB a rank ({kv:,} bytes; less "

@@ -57,6 +57,7 @@ class Estimate:
     sharded: bool = True  # each rank holds a share of the state (with more than one process)
     cpu_calibrated: bool = False  # a CPU run's peak_rss is predicted (calibrated against measured runs)
     reference: int = 0  # DPO's frozen reference model (no gradients, no optimizer state)
+    engine: int = 0  # a sampling objective's generation engine: a replica's weights, or vLLM's share of the device
     mesh: tuple[int, int, int] | None = None  # (replicas, shards, tensor parallel) of an FSDP layout, for its traffic
 
     @property
@@ -65,7 +66,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.state + self.reference + self.gathered + self.activations
+        return self.state + self.reference + self.engine + self.gathered + self.activations
 
 
 def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_bytes: int,

@@ -278,6 +278,25 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, compute_bytes
     return 2 * shape.layers * shape.hidden * sequences * tokens * compute_bytes
 
 
+def engine_bytes(shape: ModelShape, engine: str, estimate: Estimate, compute_bytes: int, num_processes: int,
+                 vllm_share: float, device_memory: int | None) -> int:
+    """What a sampling objective's generation engine holds on each device
+    beside training (engines.py): a replica, the whole policy in the compute
+    dtype (auto takes it where the state is sharded); vLLM, its share of the
+    device; sampling from the model as held, nothing."""
+    if engine == "vllm":
+        return int(vllm_share * device_memory) if device_memory else 0
+    if engine == "replica" or (engine == "auto" and estimate.sharded and num_processes > 1):
+        return shape.params * compute_bytes
+    return 0
+
+
+def vllm_kv_tokens(shape: ModelShape, vllm_share: float, device_memory: int, compute_bytes: int) -> int:
+    """Tokens of KV cache vLLM's share holds once the weights are in it (negative: the weights do not fit)."""
+    room = int(vllm_share * device_memory) - shape.params * compute_bytes
+    return room // kv_cache_bytes(shape, 1, 1, compute_bytes)
+
+
 def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
              mixed_precision: str = "bf16", loss_chunk_size: int = 0, weight_bytes: int = 4,
              ram_efficient_loading: bool = True, sequences_per_row: int = 1, samples: bool = False,
@@ -338,15 +357,16 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
              f"FSDP unit {shape.largest_unit:,} parameters; {num_processes} process(es). Bytes per device:", "",
              "| strategy | params | grads | AdamW state | gathered units | activations | total | peak RSS, CPU run | fits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    if any(e.reference for e in estimates):  # DPO's frozen reference, a column of its own
-        lines[-2:] = [line.replace(" activations |", " activations | frozen reference |").replace(
-            "| --- | --- | --- | --- | --- | --- |", "| --- | --- | --- | --- | --- | --- | --- |", 1) for line in lines[-2:]]
+    for column, held in (("frozen reference", "reference"), ("generation engine", "engine")):
+        if any(getattr(e, held) for e in estimates):  # DPO's frozen reference, GRPO's engine: columns of their own
+            lines[-2:] = [lines[-2].replace(" total |", f" {column} | total |"), lines[-1] + " --- |"]
+    extra = [held for held in ("reference", "engine") if any(getattr(e, held) for e in estimates)]
     for e in estimates:
         fits = "-" if device_memory is None else ("yes" if e.total <= device_memory else "no")
         rss = e.no_peak_rss if e.peak_rss is None else f"{e.peak_rss:,} ({e.peak_rss / GIB:.2f} GiB)"
-        reference = f" {e.reference:,} |" if e.reference else ""
+        columns = "".join(f" {getattr(e, held):,} |" for held in extra)
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
-                     f"{e.activations:,} |{reference} {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
+                     f"{e.activations:,} |{columns} {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
     if host is not None:
         lines += ["", f"Host RAM per rank above the runtime ({RUNTIME_BYTES:,}): loading the weights "
                       f"{host.load_main:,} on the main process, {host.load_other:,} on each other ({host.loading}); "

@@ -137,3 +137,39 @@ def test_grpo_plans_its_kv_cache_its_full_logits_and_a_reference_only_with_a_kl_
     with_kl, out = plan("--method", "grpo", "--beta", "0.04")
     assert "| frozen reference |" in out
     assert with_kl["FSDP full shard"][7].strip() == f"{124_439_808 // 2 * 4:,}"  # fp32, sharded as the parameters
+
+
+def test_the_generation_engine_is_planned_beside_training(capsys):
+    """GRPO's engine (--generation_engine): auto's replica, a whole bf16 copy
+    of gpt2-small on each rank where the state is sharded; vLLM, its share of
+    the device, with the KV cache that share holds after the weights; sampling
+    from the model as held, nothing. Options of an engine on an objective that
+    samples nothing are refused in one line."""
+    from finetune.cli import main
+
+    params = 124_439_808
+
+    def plan(*extra) -> tuple[dict, str]:
+        assert main(["estimate-memory", "--model", "gpt2-small", "--num_processes", "2", "--per_device_batch_size",
+                     "8", "--block_size", "1024", "--mixed_precision", "bf16", "--method", "grpo", *extra]) == 0
+        out = capsys.readouterr().out
+        header = next(line for line in out.splitlines() if line.startswith("| strategy |"))
+        column = [c.strip() for c in header.split("|")].index("generation engine") if "generation engine" in header else None
+        rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+                if line.startswith("| ") and "---" not in line and not line.startswith("| strategy")}
+        return {name: int(row[column].replace(",", "")) if column else None for name, row in rows.items()}, out
+
+    auto, out = plan()
+    assert auto["FSDP full shard"] == params * 2 and auto["DDP"] == 0
+    assert "a whole copy of the policy, 0.23 GiB a rank" in out
+    sharded, out = plan("--generation_engine", "sharded")
+    assert set(sharded.values()) == {None} and "nothing beside training" in out
+    device = 80 * 2**30
+    vllm, out = plan("--generation_engine", "vllm", "--device_memory", str(device), "--vllm_gpu_memory_utilization", "0.25")
+    assert set(vllm.values()) == {device // 4}
+    tokens = (device // 4 - params * 2) // (2 * 12 * 768 * 2)
+    assert f"a KV cache of about {tokens:,} tokens" in out
+    tight, out = plan("--generation_engine", "vllm", "--device_memory", "4GiB", "--vllm_gpu_memory_utilization", "0.05")
+    assert "which does not hold the weights (0.23 GiB): raise --vllm_gpu_memory_utilization" in out
+    proc = run_in_process("estimate-memory", "--model", "gpt2-small", "--generation_engine", "replica")
+    assert proc.returncode == 2 and "and --method is sft; drop them or pass --method grpo" in proc.stderr.strip()
