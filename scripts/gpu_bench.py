@@ -1,6 +1,8 @@
 """Packed SFT on one GPU: our attention paths (the dense mask, flex attention,
 flash-attention's varlen), Liger's kernels, LoRA and QLoRA, against TRL's
-SFTTrainer with `padding_free`, on models of real shapes built from a seed.
+SFTTrainer with `padding_free`, on models of real shapes built from a seed;
+then GRPO on the Qwen2.5-0.5B shape over the GPUs there are (2 at most): our
+replica and vLLM engines against TRL's GRPOTrainer with vLLM colocated.
 Run through scripts/gpu_bench.sh (its header lists what the device needs).
 
 Every case trains the same chat data (the built-in stdlib questions, packed
@@ -74,7 +76,10 @@ def save_model(family: str, shape: dict, data: Path, out: Path, positions: int) 
 
 
 def last_error(proc: subprocess.CompletedProcess) -> str:
-    return next((line for line in reversed(proc.stderr.splitlines()) if "rror" in line), "failed").strip()[:160]
+    """finetune's one-line error where there is one, else the last line naming an error."""
+    lines = proc.stderr.splitlines()
+    return next((line for line in lines if line.startswith("error:")),
+                next((line for line in reversed(lines) if "rror" in line), "failed")).strip()[:160]
 
 
 def our_case(name: str, options: list[str], model: Path, data: Path, block: int, steps: int, out: Path,
@@ -129,6 +134,64 @@ def cases(on_gpu: bool) -> list[tuple[str, list[str], str]]:
     ]
 
 
+# completions a rank, per prompt, most tokens, block
+GRPO_SIZES = {"gpu": ("16", "4", "128", "512"), "smoke": ("4", "2", "8", "64")}
+
+
+def grpo_case(name: str, model: Path, prompts: Path, gpus: int, steps: int, out: Path, mixed_precision: str,
+              size: str) -> dict:
+    """GRPO on the module questions, rewarded by exact_match."""
+    (batch, generations, length, block), rate = GRPO_SIZES[size], "1e-6"
+    run_dir = out / name.replace(" ", "-").replace(",", "")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", str(gpus), "--mixed_precision",
+              mixed_precision]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    if name.startswith("TRL"):
+        cmd = [*launch, str(REPO / "scripts" / "bench_trl_grpo.py"), str(model), str(prompts), str(run_dir), batch,
+               generations, length, str(steps), rate, mixed_precision, "vllm"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            return {"case": name, "failed": last_error(proc)}
+        ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(gpus)]
+        step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+        return {"case": name, "step_time_s": step, "rollout_time": None, "peak_memory_bytes": ranks[0]["peak_rss_bytes"],
+                "reward": ranks[0]["rewards"][-1]}
+    engine = "vllm" if "vllm" in name else "replica"
+    cmd = [*launch, "-m", "finetune", "train", "--model", str(model), "--dataset", str(prompts), "--method", "grpo",
+           "--generation_engine", engine, "--reward_funcs", "exact_match", "--num_generations", generations,
+           "--max_completion_length", length, "--per_device_batch_size", batch, "--max_steps", str(steps),
+           "--learning_rate", rate, "--lr_scheduler_type", "constant", "--block_size", block,
+           "--max_eval_batches", "1", "--sample_prompt", "", "--checkpoint_at_end", "false", "--log_format", "plain",
+           "--overwrite", "--output_dir", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"case": name, "failed": last_error(proc)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "loss" in r][1:] or [r for r in rows if "loss" in r]
+    return {"case": name, "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "rollout_time": statistics.median(r["rollout_time"] for r in timed),
+            "peak_memory_bytes": summary["peak_memory_bytes_per_rank"][0], "reward": timed[-1]["reward"]}
+
+
+def grpo_cases(on_gpu: bool) -> list[tuple[str, str]]:
+    """(name, why it cannot run here or "")."""
+    vllm = ("" if importlib.util.find_spec("vllm") else "vLLM is not installed") if on_gpu else "needs a CUDA GPU"
+    trl = vllm or ("" if importlib.util.find_spec("trl") else "TRL is not installed")
+    return [("GRPO, replica", ""), ("GRPO, vllm colocate", vllm), ("TRL GRPOTrainer, vllm colocate", trl)]
+
+
+def grpo_prompts(out: Path) -> Path:
+    from finetune.data.builtin import build_stdlib_module_questions
+
+    rows = [json.loads(line) for line in build_stdlib_module_questions().read_text().splitlines()][:512]
+    path = out / "grpo-prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r["prompt"][0]["content"] + "\n", "answer": r["answer"]}) + "\n"
+                            for r in rows))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="the same code paths on CPU with a tiny model")
@@ -179,6 +242,27 @@ def main() -> None:
         mfu = 6 * r["params"] * r["tokens_per_sec"] / peak
         lines.append(f"| {r['model']} | {r['block']} | {r['case']} | {r['step_time_s']:.3f} | {r['tokens_per_sec']:,.0f} "
                      f"| {mfu:.1%} | {r['peak_memory_bytes']:,} | {r['loss']:.4f} |")
+    grpo_shape = "Qwen2.5-0.5B shape" if on_gpu else next(iter(SMOKE_SHAPE))
+    gpus = min(2, torch.cuda.device_count()) if on_gpu else 2
+    batch, generations, length, _ = GRPO_SIZES["gpu" if on_gpu else "smoke"]
+    lines += ["", f"GRPO on the {grpo_shape}, {gpus} process(es) under fsdp.yaml, {steps} steps of {batch} completions "
+                  f"a rank ({generations} per prompt, up to {length} tokens) of the built-in module questions, reward "
+                  "exact_match; step time and "
+                  "rollout_time are medians after the first step; memory: rank 0's peak", "",
+              "| case | step time (s) | rollout_time (s) | peak memory (bytes) | last reward |", "| --- | --- | --- | --- | --- |"]
+    prompts = grpo_prompts(out)
+    for name, why in grpo_cases(on_gpu):
+        result = ({"case": name, "failed": f"skipped: {why}"} if why else
+                  grpo_case(name, out / grpo_shape.replace(" ", "-"), prompts, gpus, steps, out / "grpo", mixed_precision,
+                            "gpu" if on_gpu else "smoke"))
+        results.append({"model": grpo_shape, **result})
+        print(f"[gpu-bench] GRPO: {json.dumps(result)}", flush=True)
+        if "failed" in result:
+            lines.append(f"| {name} | {result['failed']} | | | |")
+            continue
+        rollout = "-" if result["rollout_time"] is None else f"{result['rollout_time']:.3f}"
+        lines.append(f"| {name} | {result['step_time_s']:.3f} | {rollout} | {result['peak_memory_bytes']:,} | "
+                     f"{result['reward']:.3f} |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -9,6 +9,7 @@
 #   liger-kernel   (pip download liger-kernel --no-deps)     the Liger row (its triton comes with CUDA torch)
 #   flash-attn     (a wheel built for the device's torch and CUDA; optional)   the varlen row
 #   torchao        (the qlora extra)                          the QLoRA row
+#   vllm           (a wheel for the device's torch and CUDA)      the GRPO vllm rows (ours and TRL's colocate mode)
 # A row whose package is missing says so instead of failing.
 #
 #   bash scripts/gpu_bench.sh            # the full run: outputs/gpu-bench/table.md

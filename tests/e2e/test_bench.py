@@ -41,7 +41,7 @@ def test_bench_quick_smallest_case(tmp_path, env, small_corpus):
 
 def test_gpu_bench_smoke_runs_every_code_path_a_cpu_can(tmp_path, env):
     """`bash scripts/gpu_bench.sh --smoke`: the GPU benchmark's driver, our
-    dense-mask runs (full and LoRA) and TRL's SFTTrainer on a tiny model, so
+    dense-mask runs (full and LoRA), TRL's SFTTrainer and GRPO's replica on a tiny model, so
     the script cannot rot between the sessions that have a GPU; the cases a
     CPU cannot run are rows that say why."""
     proc = subprocess.run(["bash", "scripts/gpu_bench.sh", "--smoke", "--output_dir", str(tmp_path)],
@@ -58,5 +58,10 @@ def test_gpu_bench_smoke_runs_every_code_path_a_cpu_can(tmp_path, env):
     assert max(losses) - min(losses) < 0.1 * min(losses), losses
     for case in ("full, flex attention", "full, varlen (flash-attention)", "full, flex + Liger", "QLoRA r=16, flex attention"):
         assert results[case]["failed"] == "skipped: needs a CUDA GPU"
+    grpo = results.pop("GRPO, replica")  # GRPO's driver: our replica engine runs, the vLLM rows say why not
+    assert "failed" not in grpo and grpo["step_time_s"] > 0 and 0 < grpo["rollout_time"] < grpo["step_time_s"], grpo
+    for case in ("GRPO, vllm colocate", "TRL GRPOTrainer, vllm colocate"):
+        assert results.pop(case)["failed"] == "skipped: needs a CUDA GPU"
     table = (tmp_path / "table.md").read_text()
     assert table.count("\n| tiny Llama | 128 |") == len(results) == 8
+    assert table.count("\n| GRPO, ") == 2 and "\n| TRL GRPOTrainer, vllm colocate | skipped" in table
