@@ -39,7 +39,8 @@ from finetune.errors import UsageError
 from finetune.report import say
 from finetune.signals import NoSignal
 from finetune.objectives import grpo_loss
-from finetune.objectives.engines import AsHeld, Sampled, Sampling, choose_engine, engine_classes
+from finetune.objectives.engine_choice import choose_engine, engine_classes
+from finetune.objectives.engines import AsHeld, Sampled, Sampling
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData

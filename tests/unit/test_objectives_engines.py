@@ -13,8 +13,9 @@ import torch
 
 from finetune.backends.base import Backend
 from finetune.errors import UsageError
-from finetune.objectives import engines
-from finetune.objectives.engines import AsHeld, Replica, choose_engine
+from finetune.objectives import engine_choice
+from finetune.objectives.engine_choice import choose_engine
+from finetune.objectives.engines import AsHeld, Replica
 from tests.sft_models import chat_tokenizer, conversations, tiny_llama
 
 
@@ -69,18 +70,18 @@ def test_auto_takes_the_replica_where_it_fits_and_a_replica_that_cannot_fit_is_o
     model = tiny_llama(tokenizer)
     size = sum(p.numel() for p in model.parameters()) * 4
     accelerator = SimpleNamespace(unwrap_model=lambda m: m, num_processes=2, device=torch.device("cpu"))
-    monkeypatch.setattr(engines, "free_memory", lambda device: 10 * size)
+    monkeypatch.setattr(engine_choice, "free_memory", lambda device: 10 * size)
     assert choose_engine("auto", accelerator, Sharding(), model).name == "replica"
     whole = choose_engine("auto", accelerator, Backend(), model)
     assert whole.name == "sharded" and "each rank holds the whole model" in whole.why
-    monkeypatch.setattr(engines, "free_memory", lambda device: size + size // 2)
+    monkeypatch.setattr(engine_choice, "free_memory", lambda device: size + size // 2)
     assert choose_engine("auto", accelerator, Sharding(), model).name == "sharded"  # not in half of it
     assert choose_engine("replica", accelerator, Sharding(), model).name == "replica"  # asked, and it fits
-    monkeypatch.setattr(engines, "free_memory", lambda device: size // 2)
+    monkeypatch.setattr(engine_choice, "free_memory", lambda device: size // 2)
     with pytest.raises(UsageError, match=r"--generation_engine replica keeps a whole copy of the policy .* pass "
                                          r"--generation_engine sharded"):
         choose_engine("replica", accelerator, Sharding(), model)
-    assert type(engines.engine_classes()["sharded"](accelerator, Backend())) is AsHeld
+    assert type(engine_choice.engine_classes()["sharded"](accelerator, Backend())) is AsHeld
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
