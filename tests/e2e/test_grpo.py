@@ -238,23 +238,34 @@ def test_vllm_engine_samples_from_the_trained_weights_and_sleeps_while_training(
 
 
 @pytest.mark.slow
-def test_a_run_stopped_by_sigterm_resumes_with_the_same_completions_and_losses(grpo, fp32_run, tmp_path, env):
-    """The stopped run, resumed from a plain shell (naming its reward file
-    again), and a resume from the checkpoint written in the middle of a rollout,
-    log the uninterrupted run's samples, rewards and losses."""
+def test_a_run_stopped_by_sigterm_or_sigkill_resumes_with_the_same_completions_and_losses(grpo, fp32_run, tmp_path,
+                                                                                          env):
+    """A run stopped by SIGTERM and one killed by SIGKILL (both sampling from
+    a replica, auto's pick), resumed from a plain shell (naming the reward file
+    again), and a resume from the checkpoint written in the middle of a
+    rollout, log the uninterrupted run's samples, rewards and losses."""
     args = [*grpo_args(grpo, "--max_steps", str(STEPS), "--num_iterations", "2", "--checkpoint_every", "3")]
-    stopped = tmp_path / "stopped"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
-         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-         "-m", "finetune", *map(str, args), "--output_dir", str(stopped)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not (stopped / "checkpoints" / "step_000003").is_dir():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+    stopped, killed = tmp_path / "stopped", tmp_path / "killed"
+
+    def start(run: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+             str(REPO / "accelerate_configs/fsdp.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+             "--main_process_port", str(free_port()), "-m", "finetune", *map(str, args), "--output_dir", str(run)],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    launchers = {stopped: start(stopped), killed: start(killed)}
+    deadline, waiting = time.time() + 240, dict(launchers)
+    while waiting:  # each stopped as soon as its step-3 checkpoint (written mid-rollout) is in place
+        for run, launcher in list(waiting.items()):
+            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+            if (run / "checkpoints" / "step_000003").is_dir():
+                os.killpg(launcher.pid, signal.SIGTERM if run == stopped else signal.SIGKILL)
+                del waiting[run]
         time.sleep(0.05)
-    os.killpg(launcher.pid, signal.SIGTERM)
-    _, err = launcher.communicate(timeout=120)
+    _, err = launchers[stopped].communicate(timeout=120)
+    launchers[killed].communicate(timeout=120)
+    assert launchers[killed].returncode != 0 and not (killed / "final").exists()
     stop = re.search(r"stopped: SIGTERM at step (\d+)", err)
     assert stop, err[-3000:]
 
@@ -262,21 +273,24 @@ def test_a_run_stopped_by_sigterm_resumes_with_the_same_completions_and_losses(g
     assert refused.returncode == 2
     line = refused.stderr.strip().splitlines()
     assert len(line) == 1 and "--reward_funcs" in line[0] and "your own code" in line[0], refused.stderr
-    check_ok(run_cli(["resume", stopped, "--reward_funcs", f"{grpo['rewards']}:a_rich"], env, nproc=None, timeout=300))
+    for run in (stopped, killed):
+        check_ok(run_cli(["resume", run, "--reward_funcs", f"{grpo['rewards']}:a_rich"], env, nproc=None, timeout=300))
 
     middle = tmp_path / "from-step-3"  # step 3 trained on the first step of a rollout; step 4 trains on it again
     check_ok(run_cli([*args, "--output_dir", middle, "--resume_from_checkpoint",
                       fp32_run / "checkpoints" / "step_000003"], env, mixed_precision="no", warm=True))
     expected = {r["step"]: r for r in train_rows(fp32_run)}
-    for run, first in ((stopped, 1), (middle, 4)):
+    for run, first in ((stopped, 1), (killed, 1), (middle, 4)):
         got = {r["step"]: r for r in train_rows(run)}
         assert sorted(got) == list(range(first, STEPS + 1)), run
         for step, row in got.items():
             for metric in ("loss", "reward", "entropy", "completions/mean_length"):
                 assert row[metric] == pytest.approx(expected[step][metric], abs=1e-6), (run.name, step, metric)
     whole = [(r["rollout"], r["completion"]) for r in read_jsonl(fp32_run / "completions.jsonl")]
-    # The stopped run's samples after its checkpoint were dropped and sampled again, the same.
-    assert [(r["rollout"], r["completion"]) for r in read_jsonl(stopped / "completions.jsonl")] == whole
+    # The stopped and killed runs' samples after their checkpoints were dropped and sampled again, the same.
+    for run in (stopped, killed):
+        assert [(r["rollout"], r["completion"]) for r in read_jsonl(run / "completions.jsonl")] == whole, run.name
+    assert json.loads((killed / "summary.json").read_text())["generation_engine"] == "replica"
     assert [(r["rollout"], r["completion"]) for r in read_jsonl(middle / "completions.jsonl")] == \
         [s for s in whole if s[0] >= 2]  # rollout 1 came from the checkpoint; 2 was sampled again, the same
 
