@@ -198,6 +198,9 @@ def check_vllm_options(cfg) -> None:
                          "must be finite, >= 0 (0: no bound) and min below max; pass e.g. 0 and 3")
     if "vllm" not in (cfg.generation_engine, "vllm" if cfg.use_vllm else ""):
         return
+    if cfg.peft == "qlora":
+        raise UsageError("--generation_engine vllm loads the merged weights in the compute dtype, and --peft qlora "
+                         "holds the base in 4 bits; pass --peft lora, or --generation_engine auto")
     if cfg.vllm_mode == "server":
         raise UsageError("--vllm_mode server is not built yet (docs/grpo.md has its plan); pass --vllm_mode colocate, "
                          "vLLM's engine in each rank's process")

@@ -391,7 +391,11 @@ class RolloutLM(WithReference, CausalLM):
         """[B, T] log-probs of each position's target token (0 where none), without gradients."""
         with torch.no_grad():
             targets = next_token_targets(batch["labels"])
-            return -full_logits_nll(model(**model_inputs(model, batch)).logits / self.cfg.temperature, targets)
+            return -full_logits_nll(self._at_temperature(model(**model_inputs(model, batch)).logits), targets)
+
+    def _at_temperature(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampled from: the logits at the sampling temperature (TRL's)."""
+        return logits if self.cfg.temperature == 1.0 else logits / self.cfg.temperature
 
     # --- loss -------------------------------------------------------------------------------------
 
@@ -412,8 +416,7 @@ class RolloutLM(WithReference, CausalLM):
             self.sampler.engine.weights_changed()
         targets = next_token_targets(batch["labels"])
         mask = targets != IGNORE
-        # The distribution sampled from: the logits at the sampling temperature (TRL's).
-        logits = model(**model_inputs(model, batch)).logits / cfg.temperature
+        logits = self._at_temperature(model(**model_inputs(model, batch)).logits)
         logps = -full_logits_nll(logits, targets)
         terms = self.objective.token_losses(cfg, logps, batch.get("old_logps"), batch["advantages"], mask,
                                             batch.get("reference_logps"), batch.get("importance"))

@@ -71,13 +71,11 @@ class VLLMColocate(AsHeld):
         # vLLM's external launcher joins the ranks' process group from the launcher's variables.
         os.environ.update(RANK=str(acc.process_index), LOCAL_RANK=str(acc.local_process_index),
                           WORLD_SIZE=str(acc.num_processes))
-        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         self.llm = LLM(model=cfg.model, dtype=str(self.backend.sampling_dtype(policy)).removeprefix("torch."),
                        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, max_model_len=cfg.block_size,
                        enable_sleep_mode=cfg.vllm_enable_sleep_mode, distributed_executor_backend="external_launcher",
                        seed=acc.process_index, logprobs_mode="processed_logprobs",
                        trust_remote_code=cfg.trust_remote_code, max_num_batched_tokens=4096)
-        self.vocab_size = base.config.vocab_size
         if cfg.vllm_enable_sleep_mode:
             self.llm.sleep(level=2)
             self.weights_asleep = True
