@@ -45,7 +45,7 @@ from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, model_inputs
-from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
+from finetune.tasks.lm_loss import IGNORE, completion_logits, full_logits_nll, next_token_targets
 from finetune import json_text
 
 # Summed over a step's completion tokens, logged as their means (TRL's names).
@@ -390,12 +390,19 @@ class RolloutLM(WithReference, CausalLM):
     def _token_logps(self, model, batch: dict) -> torch.Tensor:
         """[B, T] log-probs of each position's target token (0 where none), without gradients."""
         with torch.no_grad():
-            targets = next_token_targets(batch["labels"])
-            return -full_logits_nll(self._at_temperature(model(**model_inputs(model, batch)).logits), targets)
+            return self._scored(model, batch)[0]
 
-    def _at_temperature(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampled from: the logits at the sampling temperature (TRL's)."""
-        return logits if self.cfg.temperature == 1.0 else logits / self.cfg.temperature
+    def _scored(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] log-probs of each position's target token (0 where none), and
+        the logits they come from: those of the positions from the batch's first
+        completion token on (the prompts cost no [tokens, vocab] scores, as in
+        TRL), at the sampling temperature (TRL's: the distribution sampled from)."""
+        targets = next_token_targets(batch["labels"])
+        logits, kept = completion_logits(model, model_inputs(model, batch), targets)
+        if self.cfg.temperature != 1.0:
+            logits = logits / self.cfg.temperature
+        logps = -full_logits_nll(logits, kept)
+        return torch.nn.functional.pad(logps, (targets.shape[1] - kept.shape[1], 0)), logits
 
     # --- loss -------------------------------------------------------------------------------------
 
@@ -414,15 +421,13 @@ class RolloutLM(WithReference, CausalLM):
         cfg = self.cfg
         if self.sampler is not None:  # an optimizer step follows: the next sampling refreshes a replica
             self.sampler.engine.weights_changed()
-        targets = next_token_targets(batch["labels"])
-        mask = targets != IGNORE
-        logits = self._at_temperature(model(**model_inputs(model, batch)).logits)
-        logps = -full_logits_nll(logits, targets)
+        mask = next_token_targets(batch["labels"]) != IGNORE
+        logps, logits = self._scored(model, batch)
         terms = self.objective.token_losses(cfg, logps, batch.get("old_logps"), batch["advantages"], mask,
                                             batch.get("reference_logps"), batch.get("importance"))
         total, _ = self.objective.reduced(cfg, terms.losses, mask)
         with torch.no_grad():
-            entropy = (grpo_loss.entropy(logits.detach()) * mask).sum()
+            entropy = (grpo_loss.entropy(logits.detach()) * mask[:, mask.shape[1] - logits.shape[1]:]).sum()
         zero = logps.new_zeros(())
         metrics = {"kl": terms.kl.sum().detach() if terms.kl is not None else zero, "entropy": entropy,
                    "clip_ratio/low_mean": terms.low_clipped.sum().to(zero), "clip_ratio/high_mean":
