@@ -901,8 +901,11 @@ def suite_grpo(args) -> tuple[list[dict], str]:
                    args.mixed_precision)
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             trained = [r for r in rows if "loss" in r]
+            timed = trained[1:] or trained  # after the first step
             return {"case": case, **measure(run_dir), "rewards": [r["reward"] for r in trained],
-                    "completion_length": statistics.mean(r["completions/mean_length"] for r in trained)}
+                    "completion_length": statistics.mean(r["completions/mean_length"] for r in trained),
+                    "rollout_time": statistics.median(r["rollout_time"] for r in timed),
+                    "train_time": statistics.median(r["train_time"] for r in timed)}
 
         # On a CPU, Accelerate runs TRL's Trainer as DDP whatever the launch says: our DDP run is the like-for-like one.
         cases = ["finetune GRPO, sharded", "finetune GRPO, replica", "finetune GRPO, DDP", "TRL GRPOTrainer"]
@@ -911,21 +914,25 @@ def suite_grpo(args) -> tuple[list[dict], str]:
              f"prompt, at most {args.max_completion_length} tokens) of the built-in module questions, reward "
              f"exact_match, learning rate {args.grpo_learning_rate}, fsdp.yaml (ddp.yaml where named), {args.mixed_precision}, fastest of "
              f"{args.rounds} round(s); memory in bytes per rank", "",
-             "| case | layout | step time (s) | completion tokens generated/s | tokens trained/s | peak memory per rank "
-             "| reward, step by step | vs TRL (step time) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| case | layout | step time (s) | rollout / train time (s) | completion tokens generated/s | tokens "
+             "trained/s | peak memory per rank | reward, step by step | vs TRL (step time) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     trl = results[-1]
     for r in results:
         if r.get("failed"):
-            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | | | |")
+            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | | | | |")
             continue
         generated = completions * r["completion_length"] / r["step_time_s"]
+        split = f"{r['rollout_time']:.3f} / {r['train_time']:.3f}" if "rollout_time" in r else "-"
         trained = f"{r['tokens_per_sec']:,.0f}" if "tokens_per_sec" in r else "-"
         versus = f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-"
         layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
-        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {generated:,.0f} | {trained} | "
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {split} | {generated:,.0f} | {trained} | "
                      f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | "
                      f"{' '.join(f'{x:.2f}' for x in r['rewards'])} | {versus} |")
-    lines += ["", "step time: the median between step ends after the first steps, generation included; tokens "
+    lines += ["", "step time: the median between step ends after the first steps, generation included; rollout / "
+                  "train time: our runs' medians of `rollout_time` (sampling and the weight sync) and `train_time` (the "
+                  "forwards, backwards and optimizer step after it); tokens "
                   "generated: completions a step x their mean length (each tool's own) / step time; tokens trained: "
                   "prompt and completion tokens of our steps (TRL's Trainer does not log them)"]
     return results, "\n".join(lines)
