@@ -118,22 +118,46 @@ def test_the_weights_vllm_loads_are_peft_merged_checkpoint_under_lora(tokenizer,
     assert changed == {n for n in expected if n.endswith(".weight") and n.split(".")[-2] in targets}
 
 
-def test_vllm_built_for_another_device_is_refused_in_one_line(monkeypatch):
-    """vLLM's engine must share the trainer's device: the stand-in reports a
-    GPU build to a CPU run, as vLLM's CUDA wheel does on a machine without one."""
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    """The stand-in importable as `vllm` for one test, and gone from sys.modules after it
+    (else a later test in this process would find a vLLM installed)."""
     import sys
 
+    def forget():
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
+
+    forget()
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "stand_ins"))
+    yield forget
+    forget()
+
+
+def test_auto_takes_vllm_on_a_gpu_where_it_is_installed(tokenizer, monkeypatch, stand_in_vllm):
+    """auto's first choice on a GPU is vLLM's engine (the stand-in, built for the
+    device asked); on a CPU it never is, even where a vLLM is installed."""
+    monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cuda")
+    monkeypatch.setattr(engine_choice, "free_memory", lambda device: 2**40)
+    model = tiny_llama(tokenizer)
+    gpu = SimpleNamespace(unwrap_model=lambda m: m, num_processes=2, device=torch.device("cuda"))
+    picked = choose_engine("auto", gpu, Sharding(), model)
+    assert (picked.name, picked.why) == ("vllm", "vLLM is installed for cuda")
+    monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cpu")
+    cpu = SimpleNamespace(unwrap_model=lambda m: m, num_processes=2, device=torch.device("cpu"))
+    assert choose_engine("auto", cpu, Sharding(), model).name == "replica"
+
+
+def test_vllm_built_for_another_device_is_refused_in_one_line(monkeypatch, stand_in_vllm):
+    """vLLM's engine must share the trainer's device: the stand-in reports a
+    GPU build to a CPU run, as vLLM's CUDA wheel does on a machine without one."""
     from finetune.objectives import vllm_engine
 
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "stand_ins"))
     monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cuda")
     cpu = SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(UsageError, match=r"vLLM here runs on cuda and this run trains on cpu: .*; install the vLLM "
                                          r"build for it, or pass --generation_engine auto"):
         vllm_engine.refusal_or_reason(cpu, asked=True)
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)
+    stand_in_vllm()  # imported again, now for the CPU
     monkeypatch.setenv("VLLM_STAND_IN_DEVICE", "cpu")
     assert vllm_engine.refusal_or_reason(cpu, asked=True) == "as asked"
