@@ -67,6 +67,7 @@ class VLLMColocate(AsHeld):
         from vllm import LLM
 
         cfg, acc = self.cfg, self.accelerator
+        check_mergeable(policy)
         check_fits(acc.device, cfg.vllm_gpu_memory_utilization)
         # vLLM's external launcher joins the ranks' process group from the launcher's variables.
         os.environ.update(RANK=str(acc.process_index), LOCAL_RANK=str(acc.local_process_index),
@@ -151,9 +152,6 @@ def merged_weights(policy: torch.nn.Module, whole):
         module = name.split(".base_layer.")[0] if ".base_layer." in name else name.split(".lora_")[0]
         if ".lora_" in name and f".{adapter}." not in name:
             continue  # an adapter not in use
-        if ".lora_magnitude_vector" in name or ".lora_embedding_" in name:
-            raise UsageError("--generation_engine vllm merges plain LoRA adapters into the weights it loads; this "
-                             "PEFT method's are not; pass --generation_engine auto")
         parts = pending.setdefault(module, {})
         parts["base" if ".base_layer." in name else "A" if ".lora_A." in name else "B"] = tensor
         if len(parts) == 3:
@@ -165,6 +163,26 @@ def merged_weights(policy: torch.nn.Module, whole):
             del pending[module]
     if pending:
         raise RuntimeError(f"adapted layers without all of their weights: {', '.join(sorted(pending))[:200]}")
+
+
+def check_mergeable(policy: torch.nn.Module) -> None:
+    """`merged_weights` merges plain LoRA on linear layers (W + scaling * B @ A);
+    anything else (DoRA, adapters on embeddings or on a mixture of experts'
+    fused expert weights) is refused in one line before the engine starts."""
+    adapter = getattr(policy, "active_adapter", None)
+    if adapter is None:
+        return
+    from peft.tuners.lora import layer as lora
+
+    for name, module in policy.named_modules():
+        if not isinstance(module, lora.LoraLayer) or adapter not in module.lora_A:
+            continue
+        if not isinstance(module, lora.Linear) or isinstance(module, lora.ParamWrapper) or \
+                module.use_dora.get(adapter, False):
+            raise UsageError(f"--generation_engine vllm loads each adapted layer's weight with its LoRA adapters "
+                             f"merged, and {name.removeprefix('base_model.model.')} holds another kind "
+                             f"({type(module).__name__}); pass --generation_engine auto, or LoRA target modules "
+                             "that are linear layers")
 
 
 def check_fits(device: torch.device, utilization: float) -> None:

@@ -148,6 +148,34 @@ def test_auto_takes_vllm_on_a_gpu_where_it_is_installed(tokenizer, monkeypatch, 
     assert choose_engine("auto", cpu, Sharding(), model).name == "replica"
 
 
+def test_lora_vllm_cannot_merge_is_refused_in_one_line(tmp_path):
+    """LoRA on a mixture of experts' fused expert weights is not a linear
+    layer's: refused before the engine starts. On the same model's attention
+    it merges as peft does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.objectives.vllm_engine import check_mergeable, merged_weights
+    from tests.sft_models import save_family_model
+
+    model = AutoModelForCausalLM.from_pretrained(save_family_model(tmp_path / "moe", "qwen3_moe"))
+    experts = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules="all-linear",
+                                                              lora_dropout=0.0))
+    with pytest.raises(UsageError, match=r"--generation_engine vllm loads each adapted layer's weight with its LoRA "
+                                         r"adapters merged, and model\.layers\.0\.mlp\.experts holds another kind "
+                                         r"\(ParamWrapper\); pass --generation_engine auto"):
+        check_mergeable(experts)
+    attention = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    check_mergeable(attention)
+    with torch.no_grad():
+        for name, p in attention.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.3)
+    sent = dict(merged_weights(attention, ((n, p.detach()) for n, p in attention.named_parameters())))
+    expected = dict(copy.deepcopy(attention).merge_and_unload().named_parameters())
+    assert sorted(sent) == sorted(expected) and all(torch.allclose(sent[n], t, atol=1e-6) for n, t in expected.items())
+
+
 def test_vllm_built_for_another_device_is_refused_in_one_line(monkeypatch, stand_in_vllm):
     """vLLM's engine must share the trainer's device: the stand-in reports a
     GPU build to a CPU run, as vLLM's CUDA wheel does on a machine without one."""
