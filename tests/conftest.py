@@ -143,8 +143,8 @@ def free_port() -> int:
     a port bind(0) handed out could be taken by another run's gloo sockets
     before the launch binds it. Each pytest worker counts through its own block."""
     global _next_port
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     block = PORT_BLOCK_SIZE * (worker + 1)
     first = max(1024, low - block)

@@ -60,11 +60,10 @@ class AsHeld:
 
     def __init__(self, accelerator: Accelerator, backend: Backend, cfg=None):
         self.accelerator, self.backend = accelerator, backend
-        self.take_seconds()
+        self.sync_seconds = 0.0  # spent syncing weights into the engine since take_seconds last read it
 
     def take_seconds(self) -> float:
-        """Seconds spent syncing weights into the engine since the last call."""
-        spent, self.sync_seconds = getattr(self, "sync_seconds", 0.0), 0.0
+        spent, self.sync_seconds = self.sync_seconds, 0.0
         return spent
 
     def weights_changed(self) -> None:

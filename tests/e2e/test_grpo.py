@@ -210,7 +210,9 @@ def test_vllm_engine_samples_from_the_trained_weights_and_sleeps_while_training(
     for proc, name in zip(procs, cases):
         check_ok(proc)
         assert "generation: vllm (as asked)" in proc.stdout, proc.stdout[-2000:]
-        assert json.loads((tmp_path / name / "summary.json").read_text())["generation_engine"] == "vllm"
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["generation_engine"] == "vllm" and summary["distributed_type"] == "FSDP"
+        assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"])  # sharded
         rows = train_rows(tmp_path / name)
         assert [r["step"] for r in rows] == [1, 2, 3]
         for row in rows:
