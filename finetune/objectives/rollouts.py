@@ -234,7 +234,7 @@ class RolloutLM(WithReference, CausalLM):
                                            b["prompt_mask"].repeat_interleave(groups, 0), greedy=False)
                        for b in prompt_batches]
         model.train(was_training)
-        timing = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.take_seconds()}
+        engine_metrics = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.take_seconds()}
         batches = [self._completion_batch(b, out) for b, out in zip(prompt_batches, sampled)]
         per_function = torch.cat([b.pop("_rewards") for b in batches])
         lengths = torch.cat([b["completion_length"] for b in batches]).cpu().float()
@@ -248,7 +248,7 @@ class RolloutLM(WithReference, CausalLM):
                 for batch, logps in zip(batches, sampled_logps):
                     batch["old_logps"] = logps
         if engine_logps:
-            timing.update(self._engine_importance(batches, sampled_logps, engine_logps, correcting))
+            engine_metrics.update(self._engine_importance(batches, sampled_logps, engine_logps, correcting))
         if cfg.beta > 0:
             for batch in batches:
                 batch["reference_logps"] = self.with_reference(model, lambda scorer: self._token_logps(scorer, batch))
@@ -278,7 +278,7 @@ class RolloutLM(WithReference, CausalLM):
             batch["advantages"] = advantages.advantages[mine][start:start + n].to(acc.device)
             start += n
         self.rollout_metrics = {**self._rollout_metrics(everyone, advantages, gathered[:, -2], gathered[:, -1].bool()),
-                                **timing}
+                                **engine_metrics}
         if kl_from_reward:  # the KL the rewards paid, per completion token (TRL's `kl` of RLOO)
             self.rollout_metrics["kl"] = float(gathered[:, -4].sum() / gathered[:, -3].sum().clamp(min=1))
         if cfg.log_completions_every and number % cfg.log_completions_every == 0 and acc.is_main_process:
