@@ -25,7 +25,7 @@ def write_final_model(run) -> Path:
     final_dir = run.run_dir / "final"
     live_model = acc.unwrap_model(run.model)
     hf_config = live_model.config
-    write_options = dict(tokenizer=run.data.tokenizer, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
+    write_options = dict(tokenizer=run.data.saved_with_model, run_data=data_options(run.cfg.to_dict(), acc.num_processes),
                          max_shard_size=byte_count(run.cfg.max_shard_size), overwrite=True)
 
     def base():  # the weights the run started from, whole, on the main process

@@ -236,7 +236,7 @@ def setup_run(cfg: TrainConfig, task: Task, accelerator: Accelerator, backend: B
             {**cfg.recorded(), "launch": launch_record(accelerator.distributed_type.value, accelerator.num_processes,
                                                       backend),
              "inputs": inputs},
-            sort_keys=False), tokenizer=data.tokenizer, peft=task.peft, backend=backend,
+            sort_keys=False), tokenizer=data.saved_with_model, peft=task.peft, backend=backend,
         data=[train_batches, sources],
         allow_unverified=cfg.allow_unverified_checkpoint)
     run = Run(cfg=cfg, accelerator=accelerator, backend=backend, task=task, data=data, model=model, optimizer=optimizer,

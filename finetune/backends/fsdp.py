@@ -102,6 +102,12 @@ class FSDP2(Backend):
         a forward (a transformer's ModuleList of blocks): say so in one line
         before `prepare` fails with a traceback."""
         plugin = accelerator.state.fsdp_plugin
+        if "transformer" in str(plugin.auto_wrap_policy).lower() and plugin.transformer_cls_names_to_wrap is None:
+            # A model's `_no_split_modules` may name classes of its family that it does not hold (a LLaVA's
+            # CLIP tower has no CLIPTextEmbeddings), which Accelerate refuses: the units are those it holds.
+            held = {type(module).__name__ for module in model.modules()}
+            plugin.transformer_cls_names_to_wrap = [name for name in getattr(model, "_no_split_modules", None) or ()
+                                                    if name in held]
         if "size_based" not in str(plugin.auto_wrap_policy).lower():
             return
         containers = [(name, type(module).__name__) for name, module in model.named_modules()

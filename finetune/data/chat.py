@@ -245,9 +245,12 @@ class ChatEncoder:
         end = min(pos + len(tok) for pos, tok in ends) if ends else len(turn)
         return turn_start + start, turn_start + end
 
+    def _template(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
     def _apply(self, messages: list[dict], generation_prompt: bool, where: str) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self._template(messages, generation_prompt)
         except TemplateError as e:  # templates refuse what they cannot render (a system turn, roles out of order)
             raise UsageError(f"{where}: the chat template refused the conversation ({e}); fix that example, or "
                              "pass --chat_template FILE with a template that renders it") from None

@@ -26,7 +26,7 @@ class SFT(Objective):
     name = "sft"
     summary = "the text's next tokens, or the answers of chat/instruction data"
     options = RouterOptions
-    tasks = ("causal-lm", "image-classification")
+    tasks = ("causal-lm", "image-classification", "image-text-to-text")
     reads_mixtures = True
 
     def check(self, cfg) -> None:

@@ -30,6 +30,7 @@ class TaskEntry:
     defaults: dict[str, Any] = field(default_factory=dict)  # TrainConfig values that differ for this task
     generative: bool = False         # its models generate text: exports carry a generation config
     has_tokenizer: bool = False      # its models come with a tokenizer, saved next to them
+    has_processor: bool = False      # ...within a processor (a vision-language model's: tokenizer and image processor)
 
     def load_class(self) -> type:
         """Its finetune.tasks.base.Task subclass."""
@@ -74,6 +75,11 @@ REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
     TaskEntry("sequence-classification", "finetune.objectives.scored_pairs:RewardModel",
               "AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING", (), TEXT_FILES,
               has_tokenizer=True),
+    # A vision-language model: conversations with images, through the model's own processor. Its images
+    # expand into hundreds of tokens each (Gemma 3: 256; Qwen2.5-VL: one per 28x28 pixels), hence the longer rows.
+    TaskEntry("image-text-to-text", "finetune.tasks.vision_language:VisionLanguageLM", "AutoModelForImageTextToText",
+              "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", (), TEXT_FILES, defaults=dict(block_size=1024, sample_prompt=""),
+              generative=True, has_tokenizer=True, has_processor=True),
     # The lectures' recipe: Adam 1e-2 with L2 decay 1e-4, StepLR halving every
     # epoch, clipping at 0.1, accumulation 4, mini-batch 64, a checkpoint every 5 epochs.
     TaskEntry("image-classification", "finetune.tasks.image_classification:ImageClassification",

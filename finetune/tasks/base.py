@@ -25,6 +25,7 @@ from finetune.tasks import REGISTRY, TaskEntry, task_for_config
 
 if TYPE_CHECKING:
     import evaluate
+    from transformers import ProcessorMixin
 
     from finetune.data.mixture import RowStream
 
@@ -43,6 +44,12 @@ class TaskData:
     data_format: str | None = None              # text, chat, instruction, prompt_completion or mixture (text tasks)
     stream: "RowStream | None" = None           # --streaming: this rank's training rows
     source_names: list[str] | None = None       # what the rows' per-source counts count (mixtures, streams)
+    processor: "ProcessorMixin | None" = None   # a vision-language model's: its tokenizer and image processor
+
+    @property
+    def saved_with_model(self) -> "PreTrainedTokenizerBase | ProcessorMixin | None":
+        """What is saved next to the weights, for the model to be used as trained."""
+        return self.processor or self.tokenizer
 
 
 @dataclass

@@ -124,22 +124,11 @@ class CausalLM(Task):
             raw, data_format = main_process_first(accelerator, self._raw_data)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
-        # With fsdp_cpu_ram_efficient_loading only the main process reads the
-        # weights; the others build the architecture and receive their shards in `prepare`.
-        from_main = backend.weights_from_main_process(accelerator)
-        if self.peft.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
-            backend.leave_loading_to_the_ranks(accelerator)
-            from_main = False
+        from_main = self._loading_plan(accelerator, backend)
         # Packed or padded rows hold several sequences, which the attention must keep apart.
         self.rows_hold_examples = mixed or data_format != "text"
         tokenizer, model = self._tokenizer_and_model(raw["train"], accelerator, run_dir, from_main)
-        if from_main:
-            if accelerator.mixed_precision != "no":
-                models.upcast_trainable(model, written=accelerator.is_main_process and self.own_shards is None)
-            check_same_layout(accelerator, model)
-            self.peft.base_record = broadcast_from_main(self.peft.base_record)  # a preset's fingerprint needs its weights
-            if self.own_shards is not None:
-                backend.leave_loading_to_the_ranks(accelerator)
+        self._loaded(accelerator, backend, model, from_main)
         if mixed:
             data = self._mixed_data(loaded, tokenizer, accelerator.process_index)
         else:
@@ -152,6 +141,27 @@ class CausalLM(Task):
         if self.routers is not None:
             self.step_metrics = self.routers.step_metrics
         return model, data
+
+    def _loading_plan(self, accelerator: Accelerator, backend: Backend) -> bool:
+        """Whether the weights come from the main process: with
+        fsdp_cpu_ram_efficient_loading only it reads them; the others build the
+        architecture and receive their shards in `prepare`."""
+        from_main = backend.weights_from_main_process(accelerator)
+        if self.peft.each_rank_loads_the_base:  # on one process too: `prepare` would broadcast its 4-bit weights
+            backend.leave_loading_to_the_ranks(accelerator)
+            from_main = False
+        return from_main
+
+    def _loaded(self, accelerator: Accelerator, backend: Backend, model: PreTrainedModel, from_main: bool) -> None:
+        """What follows loading the weights on the main process alone."""
+        if not from_main:
+            return
+        if accelerator.mixed_precision != "no":
+            models.upcast_trainable(model, written=accelerator.is_main_process and self.own_shards is None)
+        check_same_layout(accelerator, model)
+        self.peft.base_record = broadcast_from_main(self.peft.base_record)  # a preset's fingerprint needs its weights
+        if self.own_shards is not None:
+            backend.leave_loading_to_the_ranks(accelerator)
 
     def _mixed_data(self, loaded: LoadedSources, tokenizer: PreTrainedTokenizerBase, rank: int) -> TaskData:
         """A stream's or a mixture's rows (mixture.py): held-out rows built
@@ -244,13 +254,7 @@ class CausalLM(Task):
             tokenizer = load_preset_tokenizer(tokenizer_dir, cfg.model)
             model = self.base_model(tokenizer, weights_here=accelerator.is_main_process or not from_main)
         else:
-            if from_main:
-                config = self.configured(models.load_config(self.model_source, cfg.trust_remote_code,
-                                                            ", ".join(self.entry.presets)))
-                self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto(),
-                                                      cfg.trust_remote_code, getattr(torch, cfg.model_dtype))
-            weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)
-            model = self.base_model(None, weights_here)
+            model = self._pretrained_weights(accelerator, from_main)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
             except (OSError, ValueError) as e:
@@ -258,16 +262,33 @@ class CausalLM(Task):
                                  "save one next to the model with tokenizer.save_pretrained") from None
         if tokenizer.eos_token_id is None:
             raise UsageError(f"the tokenizer of --model {cfg.model} has no end-of-text token; set eos_token and save it again")
-        if len(tokenizer) > model.config.vocab_size:
+        if len(tokenizer) > model.config.get_text_config().vocab_size:
             raise UsageError(f"the tokenizer has {len(tokenizer)} tokens but --model {cfg.model} only "
-                             f"{model.config.vocab_size}; use the tokenizer the model was trained with")
+                             f"{model.config.get_text_config().vocab_size}; use the tokenizer the model was trained with")
         self._check_block_size(model)
+        return tokenizer, self._made_trainable(model, accelerator, from_main)
+
+    def _pretrained_weights(self, accelerator: Accelerator, from_main: bool) -> PreTrainedModel:
+        """--model's weights: read here, or by each rank from its own shards
+        after `prepare` (finetune/shard_loading.py), or sent by the main process."""
+        cfg = self.cfg
+        if from_main:
+            config = self.configured(models.load_config(self.model_source, cfg.trust_remote_code,
+                                                        ", ".join(self.entry.presets)))
+            self.own_shards = OwnShards.for_model(self.model_source, config, self.entry.auto(),
+                                                  cfg.trust_remote_code, getattr(torch, cfg.model_dtype))
+        weights_here = not from_main or (accelerator.is_main_process and self.own_shards is None)
+        return self.base_model(None, weights_here)
+
+    def _made_trainable(self, model: PreTrainedModel, accelerator: Accelerator, from_main: bool) -> PreTrainedModel:
+        """The model with its fused activations, attention kernel and PEFT adapters."""
+        cfg = self.cfg
         models.fuse_activations(model)
         self.attention = attention.use_attention(model, cfg.attn_implementation, self.rows_hold_examples)
         if cfg.use_liger_kernel:
             attention.use_liger_kernels(model)
-        return tokenizer, self.peft.wrap(model, self.model_source, accelerator,
-                                           record_base=accelerator.is_main_process or not from_main)
+        return self.peft.wrap(model, self.model_source, accelerator,
+                              record_base=accelerator.is_main_process or not from_main)
 
     def base_model(self, tokenizer: PreTrainedTokenizerBase | None, weights_here: bool = True) -> PreTrainedModel:
         """The weights a run starts from: a preset built from the seed (the same on
@@ -283,9 +304,10 @@ class CausalLM(Task):
         return self.pretrained_model(weights_here)
 
     def _check_block_size(self, model: PreTrainedModel) -> None:
-        if self.cfg.block_size > model.config.max_position_embeddings:
-            raise UsageError(f"--block_size {self.cfg.block_size} is longer than the model's "
-                             f"{model.config.max_position_embeddings} positions; lower --block_size")
+        positions = model.config.get_text_config().max_position_embeddings  # a vision-language model's: its text model's
+        if self.cfg.block_size > positions:
+            raise UsageError(f"--block_size {self.cfg.block_size} is longer than the model's {positions} positions; "
+                             "lower --block_size")
 
     def loss(self, model, batch: dict) -> LossSum:
         if self.routers is None:

@@ -1,0 +1,69 @@
+"""The embedded default for vision-language models: pictures the tool draws
+itself (a shape in a colour, on a plain ground, at a random place and size)
+with a question about each and its one-word answer, as chat rows with an
+`images` column of PNG files beside them (TRL's format).
+
+Drawn with PIL, deterministic, built at run time into the cache and never
+committed. The answers can be learnt from the pixels alone, by a tiny model on
+two cores: the colour in a few dozen steps, the shape in a few hundred.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from finetune.data.builtin import cache_root
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 20)}
+SHAPES = ("square", "circle", "triangle")
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is drawn?"}
+SIDE = 32      # pixels; every processor resizes to its own size
+COUNT = 480    # rows: the held-out split (--validation_split) comes from these
+VERSION = 1    # bump when the drawing changes: the cache is keyed by it
+
+
+def draw(shape: str, colour: str, rng: random.Random):
+    from PIL import Image, ImageDraw
+
+    ground = rng.choice([(255, 255, 255), (0, 0, 0), (128, 128, 128)])
+    image = Image.new("RGB", (SIDE, SIDE), ground)
+    size = rng.randint(SIDE // 2, SIDE - 4)
+    left, top = rng.randint(0, SIDE - size), rng.randint(0, SIDE - size)
+    box = (left, top, left + size - 1, top + size - 1)
+    pen = ImageDraw.Draw(image)
+    fill = COLOURS[colour]
+    if shape == "square":
+        pen.rectangle(box, fill=fill)
+    elif shape == "circle":
+        pen.ellipse(box, fill=fill)
+    else:
+        pen.polygon([(left + size / 2, top), (left, top + size - 1), (left + size - 1, top + size - 1)], fill=fill)
+    return image
+
+
+def build_shapes(count: int = COUNT, seed: int = 0) -> Path:
+    """The rows' .jsonl file (images/ beside it), built once per cache."""
+    root = cache_root() / f"shapes-v{VERSION}-{count}-{seed}"
+    data = root / "shapes.jsonl"
+    if data.is_file():
+        return data
+    rng = random.Random(seed)
+    building = root.with_name(root.name + ".building")
+    (building / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(count):
+        shape, colour, asked = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(QUESTIONS))
+        name = f"images/{i:05d}.png"
+        draw(shape, colour, rng).save(building / name)
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[asked]}]},
+            {"role": "assistant", "content": [{"type": "text", "text": colour if asked == "colour" else shape}]}],
+            "images": [name]})
+    (building / "shapes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    try:
+        building.rename(root)  # whole or not at all: another process may be building the same
+    except OSError:
+        pass  # it finished first
+    return data
