@@ -250,6 +250,8 @@ def _add_generate(sub) -> None:
     generate.add_argument("--top_p", type=fraction_or_one, default=1.0,
                           help="sample from the smallest set of tokens with this probability mass (default: 1.0)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    generate.add_argument("--image", action="append", default=[], metavar="PATH",
+                          help="an image the prompt is about (a vision-language model; repeat for several)")
     generate.set_defaults(func=cmd_generate, subparser=generate)
 
 
@@ -548,7 +550,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--prompt is empty; give it the text to continue")
     threads = use_cpu_threads()
     print(generate_text(args.model_dir, args.prompt, args.max_new_tokens, chat=args.chat,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, images=args.image))
     print(cpu_threads_line(threads), file=sys.stderr)
     return 0
 

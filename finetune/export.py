@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
@@ -126,8 +126,7 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
     try:
         config = AutoConfig.from_pretrained(config_source, trust_remote_code=False)
         task = task_for_config(config)
-        tokenizer = (AutoTokenizer.from_pretrained(config_source, trust_remote_code=False)
-                     if task is not None and task.has_tokenizer else None)
+        tokenizer = preprocessing(task, config_source)
     except (OSError, ValueError) as e:
         raise UsageError(f"could not read the model config/tokenizer from {config_source} "
                          f"({str(e).strip().splitlines()[0]}); pass --model with a HF model dir") from None
@@ -150,6 +149,16 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         raise UsageError(f"could not write {output} ({reason}); it was left as it was: "
                          f"{write_failure_fix(reason, Path(output).parent)}, or choose another --output") from None
+
+
+def preprocessing(task, source: str):
+    """What a model dir of `task` holds beside its weights: the processor
+    (a vision-language model's, where one was saved), the tokenizer, or nothing."""
+    if task is None or not task.has_tokenizer:
+        return None
+    if task.has_processor and (Path(source) / "processor_config.json").is_file():
+        return AutoProcessor.from_pretrained(source, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
 
 
 def run_task(checkpoint_dir: Path, base_model: str | None, trust_remote_code: bool):

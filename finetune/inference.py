@@ -48,17 +48,22 @@ def load_model_dir(model_dir: str):
 
 @torch.no_grad()
 def generate_text(model_dir: str, prompt: str | list[dict], max_new_tokens: int = 40, chat: bool | None = False,
-                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, images: list[str] = ()) -> str:
     """Greedy decoding unless `temperature` > 0. With `chat`, the prompt (a
     user turn's text, or messages) is rendered with the model's chat template
     and only the answer is returned; otherwise the prompt and its
-    continuation. `chat=None`: chat when the model has a chat template."""
+    continuation. `chat=None`: chat when the model has a chat template.
+    `images`: image files the user turn shows first (a vision-language model's)."""
     task, model, tokenizer = load_model_dir(model_dir)
     if not task.generative:
         raise UsageError(f"{model_dir} holds an {task.name} model, which does not generate text; use `finetune evaluate`")
+    inputs = {}  # beside the ids: an image prompt's pixels and masks
     if chat is None:
-        chat = bool(tokenizer.chat_template) or isinstance(prompt, list)
-    if chat:
+        chat = bool(tokenizer.chat_template) or isinstance(prompt, list) or bool(images)
+    if images:
+        chat = True
+        ids, inputs = _image_prompt(model_dir, task, prompt, images)
+    elif chat:
         if not tokenizer.chat_template:
             raise UsageError(f"the tokenizer in {model_dir} has no chat template; drop --chat, or train with "
                              "--chat_template FILE")
@@ -73,7 +78,8 @@ def generate_text(model_dir: str, prompt: str | list[dict], max_new_tokens: int 
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     try:
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        out = model.generate(**{"attention_mask": torch.ones_like(ids), **inputs, "input_ids": ids},
+                             max_new_tokens=max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                              else tokenizer.eos_token_id, **sampling)
     except IndexError:  # a learned position embedding looked up past its table
@@ -81,6 +87,35 @@ def generate_text(model_dir: str, prompt: str | list[dict], max_new_tokens: int 
                          f"{positions} positions of {model_dir}; pass --max_new_tokens "
                          f"{max(1, (positions or 0) - ids.size(1))} or less") from None
     return tokenizer.decode(out[0, ids.size(1):] if chat else out[0], skip_special_tokens=True).strip()
+
+
+def _image_prompt(model_dir: str, task, prompt: str, images: list[str]) -> tuple[torch.Tensor, dict]:
+    """A user turn showing `images` before `prompt`, through the model's
+    processor: its input ids, and the pixels and masks the model takes."""
+    from transformers import AutoProcessor
+
+    from finetune.data.vision import open_image
+
+    if not task.has_processor:
+        raise UsageError(f"{model_dir} holds a model that reads text alone; --image needs a vision-language model "
+                         "(trained with --task image-text-to-text)")
+    pictures = []
+    for name in images:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--image {name} {missing_or_odd(name)}; pass an image file")
+        pictures.append(open_image(path.name, path.resolve().parent, f"--image {name}"))
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, ImportError) as e:
+        raise UsageError(f"{model_dir} has no usable processor ({str(e).strip().splitlines()[0][:160]}); pass a "
+                         "model dir written with its processor (a run's final/, or `finetune export`)") from None
+    parts = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                         tokenize=False)
+    out = processor(text=[text], images=[pictures], add_special_tokens=False, return_tensors="pt")
+    ids = out.pop("input_ids")
+    return ids, dict(out)
 
 
 # Recorded data options that only make sense for the run's own dataset.

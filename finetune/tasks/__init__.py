@@ -102,6 +102,9 @@ def task_for_config(config) -> TaskEntry | None:
     so the architecture `save_pretrained` recorded decides; without one, the
     first task whose Auto class builds the config."""
     able = [(entry, names) for entry in REGISTRY.values() if (names := entry.model_class_names(config))]
+    # Gemma 3's vision-language class is also a causal LM's: a config with a vision tower is first the vision task's.
+    sees = hasattr(config, "vision_config")
+    able.sort(key=lambda found: found[0].has_processor != sees)
     saved_as = set(getattr(config, "architectures", None) or ())
     return next((entry for entry, names in able if saved_as.intersection(names)), None) or \
         next((entry for entry, _ in able), None)
