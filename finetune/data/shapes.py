@@ -43,9 +43,9 @@ def draw(shape: str, colour: str, rng: random.Random):
     return image
 
 
-def build_shapes(count: int = COUNT, seed: int = 0) -> Path:
+def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -> Path:
     """The rows' .jsonl file (images/ beside it), built once per cache."""
-    root = cache_root() / f"shapes-v{VERSION}-{count}-{seed}"
+    root = (cache or cache_root()) / f"shapes-v{VERSION}-{count}-{seed}"
     data = root / "shapes.jsonl"
     if data.is_file():
         return data
