@@ -12,7 +12,7 @@ import torch
 import transformers as T
 
 from finetune.data.shapes import COLOURS, QUESTIONS, SHAPES
-from tests.sft_models import chat_tokenizer, conversations
+from sft_models import chat_tokenizer, conversations
 
 FAMILIES = ("llava", "idefics3", "gemma3")
 # What each family's template writes for an image part (its processor expands it).

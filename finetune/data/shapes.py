@@ -11,7 +11,9 @@ two cores: the colour in a few dozen steps, the shape in a few hundred.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 from finetune.data.builtin import cache_root
@@ -50,7 +52,7 @@ def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -
     if data.is_file():
         return data
     rng = random.Random(seed)
-    building = root.with_name(root.name + ".building")
+    building = root.with_name(f"{root.name}.building-{os.getpid()}")  # runs started together each build their own
     (building / "images").mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(count):
@@ -63,7 +65,7 @@ def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -
             "images": [name]})
     (building / "shapes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     try:
-        building.rename(root)  # whole or not at all: another process may be building the same
-    except OSError:
-        pass  # it finished first
+        building.rename(root)  # whole or not at all
+    except OSError:  # another process finished first: its rows are these
+        shutil.rmtree(building, ignore_errors=True)
     return data

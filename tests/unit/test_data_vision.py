@@ -15,7 +15,7 @@ from finetune.data.shapes import build_shapes
 from finetune.data.vision import VisionChatEncoder, VisionCollator, answer_mask, check_rows, conversation
 from finetune.errors import UsageError
 from finetune.tasks.vision_language import VisionLanguageLM
-from tests.vlm_models import FAMILIES, IMAGE_TOKENS, PLACEHOLDERS, save_vlm_model, vlm_parts
+from vlm_models import FAMILIES, IMAGE_TOKENS, PLACEHOLDERS, save_vlm_model, vlm_parts
 
 
 def tagged(placeholder: str) -> str:
