@@ -64,7 +64,8 @@ RESUME_BOOKKEEPING = ("output_dir", "resume_from_checkpoint", "overwrite", "allo
 DATA_OPTIONS = ("dataset", "dataset_config", "dataset_split", "eval_split", "data_format", "text_column",
                 "dataset_weights", "mixture_stop", "streaming", "text_sample_by", "chat_template", "train_on_prompt",
                 "train_on_reasoning", "packing", "long_examples", "block_size", "max_prompt_length",
-                "max_eval_samples", "image_column", "label_column", "validation_split", "seed")
+                "max_eval_samples", "image_column", "label_column", "validation_split", "seed", "max_pixels", "min_pixels",
+                "image_size")
 
 
 def data_options(config: dict[str, Any], world_size: int) -> dict[str, Any]:
@@ -158,6 +159,20 @@ class DataOptions:
     max_eval_samples: int = option(0, "use only the first N held-out samples (0 = all)", on_resume=NEXT_STEP)
     validation_split: float = option(0.05, "fraction held out for evaluation when the data has no validation/test split")
     block_size: int = option(128, "tokens per training sequence (causal-lm)")
+
+
+@dataclass
+class VisionOptions:
+    """vision-language models (--task image-text-to-text)"""
+    freeze_vision_tower: bool = option(True, "keep the vision tower as loaded (no gradients; under LoRA no adapters "
+                                       "on it); --no_freeze_vision_tower trains it too")
+    freeze_projector: bool = option(False, "keep the projector from image features to the language model as "
+                                    "loaded too")
+    max_pixels: int = option(0, "resize each image to at most this many pixels, for processors that resize by pixel "
+                             "count (Qwen-VL's); 0 = the processor's own")
+    min_pixels: int = option(0, "...and at least this many (Qwen-VL's); 0 = the processor's own")
+    image_size: int = option(0, "the longest side images are resized to, for processors that resize by it "
+                             "(Idefics3's and SmolVLM's longest_edge); 0 = the processor's own")
 
 
 @dataclass
@@ -259,8 +274,8 @@ class LaunchOptions:
 
 # The run config: this module's sections, then the PEFT methods' and the
 # objectives' (each section's fields are options; see options.py).
-OWN_SECTIONS = (ModelOptions, DataOptions, TrainingOptions, OutputOptions, LoggingOptions, LaunchOptions)
-SECTIONS = (*OWN_SECTIONS[:3], *PEFT_SECTIONS, *OBJECTIVE_SECTIONS, *OWN_SECTIONS[3:])
+OWN_SECTIONS = (ModelOptions, DataOptions, VisionOptions, TrainingOptions, OutputOptions, LoggingOptions, LaunchOptions)
+SECTIONS = (*OWN_SECTIONS[:4], *PEFT_SECTIONS, *OBJECTIVE_SECTIONS, *OWN_SECTIONS[4:])
 
 
 @dataclass
@@ -298,7 +313,7 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
                 raise UsageError(f"{flag(f.name)} {getattr(self, f.name)!r} is not supported; choose one of "
                                  f"{', '.join(allowed)}")
         positive = ["block_size", "per_device_batch_size", "gradient_accumulation_steps", "log_every", "ddp_timeout"]
-        non_negative = ["max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
+        non_negative = ["max_pixels", "min_pixels", "image_size", "max_steps", "num_epochs", "warmup_steps", "eval_every", "eval_every_epochs", "max_eval_batches",
                         "profile_steps", "max_train_samples", "max_eval_samples", "preprocessing_num_workers",
                         "dataloader_num_workers",
                         "per_device_eval_batch_size", "checkpoint_every", "checkpoint_every_epochs", "keep_last", "max_grad_norm", "weight_decay",
@@ -321,6 +336,12 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise UsageError(f"--learning_rate must be a positive number, got {self.learning_rate}; pass e.g. 1e-3")
         self._validate_data_sources()
+        vision = [name for name in ("max_pixels", "min_pixels", "image_size") if getattr(self, name)]
+        if vision and self.task != "image-text-to-text":
+            raise UsageError(f"--{vision[0]} resizes a vision-language model's images; pass --task image-text-to-text, "
+                             f"or drop --{vision[0]}")
+        if self.max_pixels and self.min_pixels > self.max_pixels:
+            raise UsageError(f"--min_pixels {self.min_pixels} is more than --max_pixels {self.max_pixels}; lower it")
         if not 0.0 < self.validation_split < 1.0:
             raise UsageError(f"--validation_split must be between 0 and 1, got {self.validation_split}; pass a fraction such as 0.05")
         if self.model_dtype != "float32" and not REGISTRY[self.task].has_tokenizer:

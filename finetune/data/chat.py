@@ -87,6 +87,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 
 def well_formed_messages(messages: Any, where: str) -> list[dict]:
     """A non-empty list of {role, content} with known roles, no tool calls and no empty answer."""
+    if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+            isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages):
+        raise UsageError(f"{where}: its messages show images, which a model of text alone cannot read; train a "
+                         "vision-language model on them with --task image-text-to-text")
     if (not isinstance(messages, list) or not messages
             or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in messages)):

@@ -12,7 +12,7 @@ import json
 import logging
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -58,7 +58,8 @@ def require_peft(method: str) -> None:
 
 
 # peft's task type for each task, and the heads it trains whole beside the adapters (a reward model's score).
-PEFT_TASK_TYPES = {"causal-lm": ("CAUSAL_LM", None), "sequence-classification": ("SEQ_CLS", ["score", "classifier"])}
+PEFT_TASK_TYPES = {"causal-lm": ("CAUSAL_LM", None), "image-text-to-text": ("CAUSAL_LM", None),
+                   "sequence-classification": ("SEQ_CLS", ["score", "classifier"])}
 
 
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str, task: str = "causal-lm"):
@@ -96,6 +97,7 @@ class Targets:
     experts, routers), which peft adapts without dropout."""
     modules: list[str]
     parameters: list[str]
+    frozen: list[str] = field(default_factory=list)  # linear layers that stay as loaded, whatever the names match
 
     def peft_config(self, config):
         """`config` with these targets; no dropout where parameters are adapted
@@ -103,7 +105,7 @@ class Targets:
         from dataclasses import replace
 
         return replace(config, target_modules=self.modules, target_parameters=self.parameters,
-                       lora_dropout=0.0 if self.parameters else config.lora_dropout)
+                       exclude_modules=self.frozen or None, lora_dropout=0.0 if self.parameters else config.lora_dropout)
 
 
 def resolve_targets(model: torch.nn.Module, config) -> Targets:
@@ -117,13 +119,16 @@ def resolve_targets(model: torch.nn.Module, config) -> Targets:
     whole = set(config.modules_to_save or ())  # trained whole: no adapters
     linear = {name: m for name, m in modules.items() if is_linear(m) and m is not head and name not in routers
               and name.rsplit(".", 1)[-1] not in whole}
+    # A layer frozen before the adapters come (a vision tower kept as loaded) gets none.
+    frozen = sorted(name for name, m in linear.items() if not any(p.requires_grad for p in m.parameters()))
+    linear = {name: m for name, m in linear.items() if name not in frozen}
     fused = moe.fused_expert_parameters(model)
     if isinstance(config.target_modules, str):  # all-linear
         leaves = {name.rsplit(".", 1)[-1] for name in linear}
         # a leaf name that also names a layer left out (the head, a router) is given whole
         shared = {name.rsplit(".", 1)[-1] for name, m in modules.items() if name not in linear and name} & leaves
         names = sorted((leaves - shared) | {name for name in linear if name.rsplit(".", 1)[-1] in shared})
-        return Targets(names, sorted({_parameter_target(name) for name in fused}))
+        return Targets(names, sorted({_parameter_target(name) for name in fused}), frozen)
     choices = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in linear}
                                | ({moe.EXPERTS_MODULE} if fused else set())
                                | {name.rsplit(".", 1)[-1] for name in routers}))
@@ -151,7 +156,7 @@ def resolve_targets(model: torch.nn.Module, config) -> Targets:
                                  f"adapter; name linear layers, experts or routers ({choices}) or pass all-linear")
         if any(not (n in routers or n.rsplit(".", 1)[-1] == moe.EXPERTS_MODULE) for n in matches):
             names.append(key)
-    return Targets(names, sorted(parameters))
+    return Targets(names, sorted(parameters), frozen)
 
 
 def add_adapters(model: PreTrainedModel, config) -> PreTrainedModel:

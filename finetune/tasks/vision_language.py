@@ -58,6 +58,65 @@ def load_processor(source: str, model: str, trust_remote_code: bool):
     return processor
 
 
+def resize_images(processor, cfg) -> None:
+    """--max_pixels/--min_pixels (processors that resize by pixel count:
+    Qwen-VL's) and --image_size (those that resize by the longest side:
+    Idefics3's, SmolVLM's) set on the image processor, which is saved with
+    the model so that it is used as trained."""
+    images = processor.image_processor
+    kind, size = type(images).__name__, images.size
+    by_pixels = hasattr(images, "patch_size") and hasattr(images, "merge_size")
+    if cfg.max_pixels or cfg.min_pixels:
+        named = "--max_pixels" if cfg.max_pixels else "--min_pixels"
+        if not by_pixels:
+            fix = "pass --image_size" if getattr(size, "longest_edge", None) else "drop it"
+            raise UsageError(f"{named} resizes images by their pixel count, which the processor of --model {cfg.model} "
+                             f"({kind}) does not; {fix}")
+        factor = images.patch_size * images.merge_size  # one image token's square of pixels
+        for name in ("max_pixels", "min_pixels"):
+            if 0 < getattr(cfg, name) < factor**2:
+                raise UsageError(f"--{name} {getattr(cfg, name)} is below the family's minimum of {factor**2} pixels "
+                                 f"(one image token covers {factor}x{factor}); pass {factor**2} or more")
+        if cfg.max_pixels:
+            size.longest_edge = cfg.max_pixels
+        if cfg.min_pixels:
+            size.shortest_edge = cfg.min_pixels
+    if cfg.image_size:
+        if by_pixels or not getattr(size, "longest_edge", None):
+            fix = "pass --max_pixels" if by_pixels else "its vision tower takes one size; drop it"
+            raise UsageError(f"--image_size sets the longest side for processors that resize by it (Idefics3's, "
+                             f"SmolVLM's), not the processor of --model {cfg.model} ({kind}); {fix}")
+        size.longest_edge = cfg.image_size
+
+
+VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
+PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector", "embed_vision")
+
+
+def part_named(model: PreTrainedModel, names: tuple[str, ...]):
+    """The first module whose own name is one of `names` (a family's name for its vision tower or projector)."""
+    return next(((name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in names),
+                (None, None))
+
+
+def freeze_parts(model: PreTrainedModel, cfg) -> list[str]:
+    """--freeze_vision_tower and --freeze_projector: those parts keep their
+    loaded weights (no gradients, no optimizer state, no LoRA adapters). The
+    names of the parts frozen."""
+    frozen = []
+    for asked, names, option in ((cfg.freeze_vision_tower, VISION_TOWERS, "--no_freeze_vision_tower"),
+                                 (cfg.freeze_projector, PROJECTORS, "--no_freeze_projector")):
+        if not asked:
+            continue
+        name, module = part_named(model, names)
+        if module is None:
+            raise UsageError(f"{type(model).__name__} has no module named {' or '.join(names)} to freeze; pass "
+                             f"{option}")
+        module.requires_grad_(False)
+        frozen.append(name)
+    return frozen
+
+
 class VisionLanguageLM(CausalLM):
     name = "image-text-to-text"
     throughput_key = "tokens_per_sec"
@@ -71,12 +130,16 @@ class VisionLanguageLM(CausalLM):
         from_main = self._loading_plan(accelerator, backend)
         self.rows_hold_examples = False  # one conversation a row, padded
         processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
+        resize_images(processor, cfg)
         model = self._pretrained_weights(accelerator, from_main)
         self._check_block_size(model)
+        frozen = freeze_parts(model, cfg)
         model = self._made_trainable(model, accelerator, from_main)
         self._loaded(accelerator, backend, model, from_main)
         collate = VisionCollator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
         self.routers = None
+        if frozen:
+            description += f"; frozen: {', '.join(frozen)}"
         return model, TaskData(splits["train"], splits["validation"], processor.tokenizer, description,
                                collate=collate, data_format=data_format, processor=processor)
 
@@ -114,5 +177,6 @@ class VisionLanguageLM(CausalLM):
         cfg = self.cfg
         (splits, root, _), _ = self._rows()
         processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
+        resize_images(processor, cfg)
         collate = VisionCollator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
         return Scored(splits["validation"], collate, len(splits["validation"]))

@@ -121,6 +121,23 @@ def _chat_rows(tmp: Path, *rows) -> list[str]:
     return ["--dataset", str(tmp / "chat.jsonl")]
 
 
+def _vlm_rows(tmp: Path, images: list[str], make: tuple[str, ...] = ("red.png",), model: bool = True) -> list[str]:
+    """A tiny LLaVA and one image chat row showing `images` (paths relative to the data file)."""
+    from PIL import Image
+    from vlm_models import save_vlm_model
+
+    data = tmp / "images-data"
+    data.mkdir()
+    for name in make:
+        Image.new("RGB", (8, 8), (255, 0, 0)).save(data / name)
+    (data / "notes.txt").write_text("not an image")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "red"}]}], "images": images}
+    (data / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    vlm = ["--task", "image-text-to-text", "--model", str(save_vlm_model(tmp / "llava", "llava"))] if model else []
+    return [*vlm, "--dataset", str(data / "rows.jsonl"), "--block_size", "64"]
+
+
 def _template_without_system(tmp: Path) -> Path:
     (tmp / "no-system.jinja").write_text(
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
@@ -311,6 +328,15 @@ CASES = {
                                  "--vllm_mode server is not built yet"),
     "GRPO: --use_vllm beside another engine": (lambda t: _grpo(t, "format", "--use_vllm", "--generation_engine", "sharded"),
                                                "--use_vllm asks for vLLM's engine and --generation_engine sharded"),
+    "an image that does not exist": (lambda t: _vlm_rows(t, ["blue.png"]), "the image 'blue.png' does not exist"),
+    "an image file that is not an image": (lambda t: _vlm_rows(t, ["notes.txt"]), "is not an image PIL can read"),
+    "an image part without an image": (lambda t: _vlm_rows(t, []), "hold 1 image part(s) but the row gives 0"),
+    "an image path outside the data's dir": (lambda t: _vlm_rows(t, ["../llava/config.json"]),
+                                             "leads outside the data's dir"),
+    "images for a model of text alone": (lambda t: [*_chat_model(t), *_vlm_rows(t, ["red.png"], model=False)],
+                                         "which a model of text alone cannot read"),
+    "a text model for the vision task": (lambda t: [*_vlm_rows(t, ["red.png"]), *_chat_model(t)],
+                                         "has no image processor: it reads text alone"),
     "a reward model on a preset built from scratch": (lambda t: ["--method", "reward"],
                                                       "--method reward puts a score head on a pretrained"),
 }
