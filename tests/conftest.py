@@ -557,6 +557,20 @@ def stand_in(placeholder: str, work: Path) -> None:
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
+    if name == "vlm" or "vlm_run" in placeholder:  # a vision-language model: a tiny LLaVA with its processor
+        from vlm_models import save_vlm_model
+
+        save_vlm_model(path, "llava")
+        return
+    if "photos" in name or "photos" in path.parent.name:  # image chat rows (TRL's format) and their images
+        from finetune.data.shapes import build_shapes
+
+        drawn = build_shapes(count=8, cache=work / ".stand-in-photos")
+        base = path.parent if name.endswith(".jsonl") else path.parent.parent
+        data = base / "photos.jsonl"
+        shutil.copytree(drawn.parent / "images", base / "photos", dirs_exist_ok=True)
+        data.write_text(drawn.read_text().replace('"images/', '"photos/'))
+        return
     rows = conversations(8) if any(word in name for word in ("chat", "conversation")) else [
         {"text": f"note {i}: the model reads a file", "body": f"note {i}: the model reads a file"} for i in range(8)]
     if placeholder.endswith("/"):
