@@ -41,7 +41,8 @@ def test_help_is_grouped_and_offers_only_what_each_command_accepts():
     assert "finetune configs" in top and "UsageError" not in top and "dispatch" not in top
     train = _cli("train", "--help").stdout
     headings = [line.rstrip(":") for line in train.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert headings[:7] == ["options", "model", "data", "training", "LoRA (--peft lora, qlora)",
+    assert headings[:8] == ["options", "model", "data", "vision-language models (--task image-text-to-text)",
+                            "training", "LoRA (--peft lora, qlora)",
                             "mixture of experts (--method sft)",
                             "preference data (--method dpo, simpo, orpo, kto, reward)"]
     assert "online RL (--method grpo, rloo)" in headings and "DPO (--method dpo)" in headings
