@@ -340,6 +340,8 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
         if vision and self.task != "image-text-to-text":
             raise UsageError(f"--{vision[0]} resizes a vision-language model's images; pass --task image-text-to-text, "
                              f"or drop --{vision[0]}")
+        if self.task == "image-text-to-text" and self.packing:
+            raise UsageError("--packing is not built for rows with images (each row is padded); drop --packing")
         if self.max_pixels and self.min_pixels > self.max_pixels:
             raise UsageError(f"--min_pixels {self.min_pixels} is more than --max_pixels {self.max_pixels}; lower it")
         if not 0.0 < self.validation_split < 1.0:

@@ -51,6 +51,10 @@ Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a whole number of blocks
 
 def family_of(config) -> Family:
     family = FAMILIES.get(config.model_type)
+    if hasattr(config, "vision_config"):  # llama.cpp takes a vision model as two files: the text model and its mmproj
+        raise UsageError(f"GGUF export converts language models alone, and this {config.model_type!r} model has a "
+                         "vision tower (llama.cpp's separate mmproj file): export it with --format safetensors, then "
+                         "convert that dir with llama.cpp's convert_hf_to_gguf.py (and its --mmproj)")
     if family is None:
         raise UsageError(f"GGUF export converts {FAMILY_NAMES} models; this one is {config.model_type!r}: "
                          "export it with --format safetensors")

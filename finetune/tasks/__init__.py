@@ -78,7 +78,7 @@ REGISTRY: dict[str, TaskEntry] = {entry.name: entry for entry in (
     # A vision-language model: conversations with images, through the model's own processor. Its images
     # expand into hundreds of tokens each (Gemma 3: 256; Qwen2.5-VL: one per 28x28 pixels), hence the longer rows.
     TaskEntry("image-text-to-text", "finetune.tasks.vision_language:VisionLanguageLM", "AutoModelForImageTextToText",
-              "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", (), TEXT_FILES, defaults=dict(block_size=1024, sample_prompt=""),
+              "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", (), TEXT_FILES, defaults=dict(block_size=1024, sample_prompt="", packing=False),
               generative=True, has_tokenizer=True, has_processor=True),
     # The lectures' recipe: Adam 1e-2 with L2 decay 1e-4, StepLR halving every
     # epoch, clipping at 0.1, accumulation 4, mini-batch 64, a checkpoint every 5 epochs.

@@ -540,3 +540,14 @@ def test_a_config_that_contradicts_the_weights_makes_no_gguf(model_dirs, tmp_pat
     line = refused(run_in_process("export", model_dir, "--format", "gguf", "--output", out))
     assert words in line and ("fix config.json" in line or "pass a whole model dir" in line), line
     assert not out.exists() and not list(tmp_path.glob(".edited.gguf.tmp-*"))
+
+
+def test_a_vision_language_model_is_refused_naming_llama_cpps_mmproj_route():
+    from vlm_models import vlm_parts
+
+    from finetune.errors import UsageError
+    from finetune.gguf_export import family_of
+
+    config, _ = vlm_parts("gemma3")  # its text model is a family GGUF export converts; the vision tower is not
+    with pytest.raises(UsageError, match="has a vision tower .*--format safetensors, then convert .*--mmproj"):
+        family_of(config)
