@@ -135,7 +135,7 @@ def export_found_checkpoint(source: str | Path, backend: Backend, weights: Path,
         written = peft.export_adapter(checkpoint_dir, backend.export_weights(weights), output)
         write_model_card(written, config, checkpoint_record(checkpoint_dir))
         return written
-    task = run_task(checkpoint_dir, base_model, trust_remote_code) if peft.saves_adapters else None
+    task = run_task(checkpoint_dir, base_model, trust_remote_code) if peft.needs_base(model_files) else None
     model_weights = peft.export_weights(checkpoint_dir, backend.export_weights(weights),
                                           lambda: task.base_model(tokenizer), task and task.model_source)
     tied = read_tied(model_files) if config_source == str(model_files) and not peft.saves_adapters else None

@@ -18,6 +18,7 @@ names it).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -69,3 +70,15 @@ class StopSignals:
 
     def name(self) -> str:
         return signal.Signals(self.received or signal.SIGTERM).name
+
+
+def leave_the_launch(_worker_id: int | None = None) -> None:
+    """A data worker's start (a DataLoader's worker_init_fn, a stream's pool
+    initializer). It leaves the launch's process group, so that a stop sent to
+    the whole launch (Ctrl-C, a scheduler's SIGTERM to the group) reaches the
+    ranks alone, which save and then close their workers; a worker killed first
+    would fail the rank's next batch instead. The rank's stop handlers it
+    inherited only record a request: a worker dies of SIGTERM, and ignores SIGINT."""
+    os.setpgrp()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -55,7 +55,7 @@ from finetune.run_dir import (checkpoint_step, complete_checkpoints, failed_star
                               saved_config, starts_afresh)
 from finetune.report import (build_trackers, run_summary, evaluation_line, grouped_names, plain_logs, quiet_library_bars,
                              read_evaluations, read_metrics, say, step_line, truncate_metrics, write_summary)
-from finetune.stopping import StopSignals
+from finetune.stopping import StopSignals, leave_the_launch
 from finetune.tasks import check_preset_task
 from finetune.objectives import build_task
 from finetune.tasks.base import Task, TaskData
@@ -279,7 +279,7 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
     # the global RNG and shift every dropout mask after it.
     train_loader = DataLoader(data.train, batch_size=task.rows_per_batch, shuffle=True, drop_last=True,
                               collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed),
-                              num_workers=cfg.dataloader_num_workers)
+                              num_workers=cfg.dataloader_num_workers, worker_init_fn=leave_the_launch)
     return accelerator.prepare(train_loader, eval_loader)
 
 

@@ -23,8 +23,6 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
-import os
-import signal
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -44,6 +42,7 @@ from finetune.data.chat import (
 )
 from finetune.data.sources import root_cause
 from finetune.errors import UsageError
+from finetune.stopping import leave_the_launch
 
 CHUNK = 128          # raw examples read and encoded together
 PICKS_PER_DRAW = 4096  # source choices drawn from one generator
@@ -468,18 +467,14 @@ _worker_encoder: Encoder | None = None
 
 
 def _set_encoder(encoder: Encoder) -> None:
-    """A forked worker's start. It inherited the rank's stop handlers, which
-    only record a request: a worker waiting on the pool's queue then outlived
-    the pool's SIGTERM, and the rank hung joining it at the run's end. So a
-    worker dies of SIGTERM; and it leaves the launch's process group, so that
-    a stop sent to the whole launch (Ctrl-C, a scheduler's SIGTERM to the
-    group) reaches the rank alone, which saves and closes the pool, and never
-    a worker in the middle of a chunk the rank waits for."""
+    """A forked worker's start. With the rank's stop handlers, which only
+    record a request, a worker waiting on the pool's queue outlived the pool's
+    SIGTERM and the rank hung joining it at the run's end; a worker in the
+    middle of a chunk the rank waits for must not get the launch's stop either
+    (stopping.leave_the_launch)."""
     global _worker_encoder
     _worker_encoder = encoder
-    os.setpgrp()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_the_launch()
 
 
 def _encode(raw: list) -> list[Example | None]:

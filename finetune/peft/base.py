@@ -15,6 +15,9 @@ import torch
 
 from finetune.model_dir import TIED_FILE
 
+# A checkpoint's model_config/ file naming the parameters that did not train (and so were not saved).
+FROZEN_FILE = "frozen_parameters.json"
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -69,8 +72,19 @@ class FullFineTune:
 
     def write_checkpoint_files(self, model_files: Path, model: torch.nn.Module, tied: dict[str, str]) -> None:
         """What an offline export needs besides the weights and the HF config,
-        into a checkpoint's model_config/: the parameters that share a tensor."""
+        into a checkpoint's model_config/: the parameters that share a tensor,
+        and those frozen (a vision tower kept as loaded), which checkpoints
+        leave out: an export reads them from the run's --model."""
+        from finetune.parameters import canonical_name
+
         (model_files / TIED_FILE).write_text(json.dumps(tied, indent=2))
+        frozen = [canonical_name(name) for name, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            (model_files / FROZEN_FILE).write_text(json.dumps(frozen, indent=2))
+
+    def needs_base(self, model_files: Path) -> bool:
+        """Whether an export of this checkpoint builds the run's base too (for what the checkpoint left out)."""
+        return self.saves_adapters or (model_files / FROZEN_FILE).is_file()
 
     def check_checkpoint(self, model_files: Path, checkpoint_dir: Path) -> None:
         """A resume's check that the checkpoint was written for this run's base."""
@@ -96,8 +110,20 @@ class FullFineTune:
 
     def export_weights(self, checkpoint_dir: Path, weights: "Weights", base: Callable[[], torch.nn.Module],
                        base_source: str) -> "Weights":
-        """The checkpoint's model for `finetune export`; `base()` builds the run's base from `base_source`."""
-        return weights
+        """The checkpoint's model for `finetune export`; `base()` builds the
+        run's base from `base_source`, for the frozen parameters the checkpoint left out."""
+        from finetune.model_dir import MODEL_CONFIG_DIR, Weights
+        from finetune.parameters import canonical_name
+
+        frozen_file = checkpoint_dir / MODEL_CONFIG_DIR / FROZEN_FILE
+        if not frozen_file.is_file():
+            return weights
+        frozen = [name for name in json.loads(frozen_file.read_text()) if name not in weights.specs]
+        loaded = {canonical_name(name): t for name, t in base().state_dict().items()}
+        kept = {name: loaded[name] for name in frozen}
+        return Weights({**weights.specs, **{name: (t.shape, t.dtype) for name, t in kept.items()}},
+                       lambda names: {**weights.fetch([n for n in names if n not in kept]),
+                                      **{n: kept[n].detach().to("cpu") for n in names if n in kept}})
 
     def export_adapter(self, checkpoint_dir: Path, weights: "Weights", output: Path) -> Path:
         """The adapters alone (`--adapter_only`), where the method `saves_adapters`."""

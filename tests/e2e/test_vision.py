@@ -5,18 +5,28 @@ embedded drawn shapes; checked from outside with transformers alone."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from conftest import check_ok, eval_rows, launches, made_once, run_cli_together, run_in_process
+from conftest import (REPO, check_ok, eval_rows, free_port, launches, made_once, run_cli, run_cli_together,
+                      run_in_process, train_rows)
 from finetune.data.shapes import build_shapes
 from vlm_models import FAMILIES, greedy_accuracy, save_vlm_model
 
 STEPS = {"llava": 60, "idefics3": 16, "gemma3": 16}  # LLaVA long enough to learn colours; the others to move
+# Resumed exactly after SIGTERM: 8 of an epoch's 28 steps, fp32, the images decoded in a data worker.
+RESUMED = ["--max_steps", "8", "--checkpoint_every", "2", "--per_device_batch_size", "8", "--learning_rate", "3e-3",
+           "--block_size", "256", "--dataloader_num_workers", "1", "--log_format", "plain"]
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +39,16 @@ def vlms(tmp_path_factory, worker_id) -> Path:
 @launches
 def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vision-runs")
-    runs = {family: root / family for family in FAMILIES}
-    procs = run_cli_together([(["train", "--task", "image-text-to-text", "--model", vlms / family, "--output_dir",
-                                runs[family], "--max_steps", STEPS[family], "--eval_every", STEPS[family],
-                                "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256",
-                                "--log_format", "plain"], {}) for family in FAMILIES], env)
+    runs = {name: root / name for name in (*FAMILIES, "llava-ddp", "llava-straight")}
+    train = ["train", "--task", "image-text-to-text", "--model"]
+    procs = run_cli_together([
+        *((train + [vlms / family, "--output_dir", runs[family], "--max_steps", STEPS[family], "--eval_every",
+                    STEPS[family], "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256",
+                    "--log_format", "plain"], {}) for family in FAMILIES),
+        (train + [vlms / "llava", "--output_dir", runs["llava-ddp"], "--max_steps", "12", "--eval_every", "12",
+                  "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256"],
+         {"config": "ddp.yaml"}),
+        (train + [vlms / "llava", "--output_dir", runs["llava-straight"], *RESUMED], {"mixed_precision": "no"})], env)
     for proc in procs:
         check_ok(proc)
     return runs
@@ -51,7 +66,8 @@ def test_each_family_trains_sharded_and_exports_to_the_same_logits(vision_runs, 
     model to transformers (its Auto class and processor)."""
     fresh = build_shapes(count=4, seed=1, cache=tmp_path)
     rows = [json.loads(line) for line in fresh.read_text().splitlines()]
-    for family, run in vision_runs.items():
+    for family in FAMILIES:
+        run = vision_runs[family]
         summary = json.loads((run / "summary.json").read_text())
         assert summary["distributed_type"] == "FSDP" and len(summary["local_params_per_rank"]) == 2
         assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"]), family
@@ -81,3 +97,34 @@ def test_answers_about_new_images_beat_the_base_model(vision_runs, vlms, tmp_pat
                           "--image", fresh.parent / colour["images"][0])
     check_ok(proc)
     assert proc.stdout.strip() in ("red", "green", "blue", "yellow", "square", "circle", "triangle"), proc.stdout
+
+
+def test_ddp_trains_the_same_model(vision_runs):
+    summary = json.loads((vision_runs["llava-ddp"] / "summary.json").read_text())
+    assert summary["distributed_type"] == "MULTI_CPU"
+    first, last = eval_rows(vision_runs["llava-ddp"])[0], eval_rows(vision_runs["llava-ddp"])[-1]
+    assert last["eval_loss"] < first["eval_loss"] - 0.3, (first, last)
+
+
+def test_a_run_stopped_by_sigterm_mid_epoch_resumes_to_the_same_weights(vision_runs, vlms, tmp_path, env):
+    stopped = tmp_path / "stopped"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
+         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), "-m", "finetune",
+         "train", "--task", "image-text-to-text", "--model", str(vlms / "llava"), "--output_dir", str(stopped),
+         *RESUMED], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.time() + 240
+    while not (stopped / "checkpoints" / "step_000004").is_dir():
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert "stopped: SIGTERM at step" in err, err[-3000:]
+    check_ok(run_cli(["resume", stopped], env, mixed_precision="no", warm=True))
+    straight = vision_runs["llava-straight"]
+    assert [round(r["loss"], 6) for r in train_rows(stopped)][-4:] == [round(r["loss"], 6) for r in train_rows(straight)][-4:]
+    theirs, ours = load_file(straight / "final" / "model.safetensors"), load_file(stopped / "final" / "model.safetensors")
+    assert theirs.keys() == ours.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
