@@ -165,7 +165,7 @@ class DataOptions:
 class VisionOptions:
     """vision-language models (--task image-text-to-text)"""
     freeze_vision_tower: bool = option(True, "keep the vision tower as loaded (no gradients; under LoRA no adapters "
-                                       "on it); --no_freeze_vision_tower trains it too")
+                                       "on it); --freeze_vision_tower false trains it too")
     freeze_projector: bool = option(False, "keep the projector from image features to the language model as "
                                     "loaded too")
     max_pixels: int = option(0, "resize each image to at most this many pixels, for processors that resize by pixel "

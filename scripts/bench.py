@@ -13,6 +13,7 @@ markdown table and JSON.
     python scripts/bench.py --suite data [--model tiny-gpt2] [--data_workers 2]   # the stream against training
     python scripts/bench.py --suite grpo [--model small-gpt2]   # against TRL's GRPOTrainer: pip install trl
     python scripts/bench.py --suite moe      # a tiny Qwen3-MoE, against TRL's SFTTrainer: pip install trl
+    python scripts/bench.py --suite vlm      # a LLaVA on drawn images, against TRL's SFTTrainer: pip install trl
     python scripts/bench.py --quick          # both suites on tiny-gpt2, few steps (about 2 minutes here)
 
 The default model is the GPT-2 124M-shaped preset `gpt2-small` (with `--batch
@@ -1018,6 +1019,76 @@ def suite_moe(args) -> tuple[list[dict], str]:
     return results, "\n".join(lines)
 
 
+def vlm_model_and_rows(args, root: Path, count: int = 512) -> tuple[Path, Path, Path]:
+    """A LLaVA (a 4-layer CLIP tower and Llama of width 128, 28-pixel images of
+    4 tokens) built from seed 42 with the tests' processor, the drawn shapes as
+    our data file (paths relative to it), and the same rows with absolute image
+    paths for TRL (whose processor opens them from its working dir)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from vlm_models import save_vlm_model
+
+    from finetune.data.shapes import build_shapes
+
+    rows = build_shapes(count=count, cache=root)
+    model_dir = save_vlm_model(root / "llava", "llava", seed=42, width=128, layers=4)
+    absolute = root / "trl-rows.jsonl"
+    absolute.write_text(rows.read_text().replace('"images/', f'"{rows.parent}/images/'))
+    return model_dir, rows, absolute
+
+
+def suite_vlm(args) -> tuple[list[dict], str]:
+    """Image chat SFT, 2 processes under fsdp.yaml (and ours under ddp.yaml),
+    the same LLaVA, drawn images, batch and steps: our loop against TRL's
+    SFTTrainer with its vision-language collator (`pip install trl`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, rows, trl_rows = vlm_model_and_rows(args, Path(tmp))
+
+        def run_case(case: str, round_index: int) -> dict:
+            print(f"[bench] {case}, 2 processes", flush=True)
+            run_dir = Path(tmp) / f"{case.replace(' ', '-').replace(',', '')}-{round_index}"
+            if case.startswith("TRL"):
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_vlm.py"), str(model_dir), str(trl_rows),
+                       str(run_dir), str(args.batch), str(args.steps), args.mixed_precision]
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
+                if proc.returncode != 0:
+                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
+                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
+                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+                        "distributed_type": ranks[0]["distributed_type"],
+                        "local_params_per_rank": [r["local_params"] for r in ranks]}
+            launch("ddp.yaml" if "DDP" in case else "fsdp.yaml", 2,
+                   ["--task", "image-text-to-text", "--model", str(model_dir), "--dataset", str(rows),
+                    "--max_steps", str(args.steps), "--per_device_batch_size", str(args.batch), "--learning_rate", "1e-4",
+                    "--block_size", "256", "--freeze_vision_tower", "false", "--max_eval_batches", "1",
+                    "--output_dir", str(run_dir)], args.mixed_precision)
+            return {"case": case, **measure(run_dir)}
+
+        # On a CPU, Accelerate runs TRL's Trainer as DDP whatever the launch says: our DDP run is the like-for-like one.
+        results = fastest_rounds(["finetune SFT, FSDP2", "finetune SFT, DDP", "TRL SFTTrainer"], run_case, args.rounds)
+    trl = results[-1]
+    images = 2 * args.batch  # one image a row
+    lines = [f"LLaVA (CLIP tower and Llama, 4 layers of width 128 each, 28-pixel images of 4 tokens), every weight "
+             f"trained; {args.steps} steps of 2 x {args.batch} drawn-shape conversations, fsdp.yaml (ddp.yaml where "
+             f"named), {args.mixed_precision}, fastest of {args.rounds} round(s); memory in bytes per rank", "",
+             "| case | layout | step time (s) | images/s | peak memory per rank | vs TRL (step time) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r.get("failed"):
+            lines.append(f"| {r['case']} | | failed: {r['failed']} | | | |")
+            continue
+        versus = f"{trl['step_time_s'] / r['step_time_s']:.2f}" if not trl.get("failed") else "-"
+        layout = f"{r['distributed_type']}, parameters per rank {' / '.join(f'{n:,}' for n in r['local_params_per_rank'])}"
+        lines.append(f"| {r['case']} | {layout} | {r['step_time_s']:.3f} | {images / r['step_time_s']:,.1f} | "
+                     f"{' / '.join(f'{b:,}' for b in r['peak_memory_bytes_per_rank'])} | {versus} |")
+    lines += ["", "step time: the median between step ends after the first steps, image decoding and processing "
+                  "included; images/s: the step's images (2 x batch) over it; vs TRL: TRL's step time over the case's"]
+    return results, "\n".join(lines)
+
+
 def timed(cmd: list[str], cwd: Path, until: Path | None = None) -> float:
     """Seconds until `cmd` exits, or with `until` until that file holds a
     training row (the process is then left to finish, untimed)."""
@@ -1081,7 +1152,7 @@ def suite_startup(args) -> tuple[list[dict], str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["configs", "baselines", "packing", "loss", "startup", "lora", "dpo", "kto",
-                                            "reward", "data", "grpo", "moe"],
+                                            "reward", "data", "grpo", "moe", "vlm"],
                         default=None,
                         help="one suite (default: configs; both with --quick)")
     parser.add_argument("--quick", action="store_true", help="both suites on tiny-gpt2 with few steps")
@@ -1116,7 +1187,7 @@ def main() -> None:
 
     start = time.perf_counter()
     suites = {"configs": suite_configs, "baselines": suite_baselines, "packing": suite_packing, "loss": suite_loss, "startup": suite_startup,
-              "lora": suite_lora, "data": suite_data, "grpo": suite_grpo, "moe": suite_moe,
+              "lora": suite_lora, "data": suite_data, "grpo": suite_grpo, "moe": suite_moe, "vlm": suite_vlm,
               **{name: functools.partial(suite_preference, objective=name) for name in PREFERENCE_SUITES}}
     if args.quick:
         args.model, args.steps = "tiny-gpt2", 8

@@ -48,8 +48,11 @@ def vlm_tokenizer(family: str):
     return tok
 
 
-def vlm_parts(family: str):
-    """(config, processor) of a tiny `family` model: 28-56 pixel images of 4 to 16 tokens."""
+def vlm_parts(family: str, width: int = 32, layers: int = 2):
+    """(config, processor) of a tiny `family` model: 28-56 pixel images of 4
+    to 16 tokens, `layers` blocks of `width` in the tower and the language model."""
+    TEXT = dict(globals()["TEXT"], hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers)
+    VISION = dict(globals()["VISION"], hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers)
     tok = vlm_tokenizer(family)
     chat = template(PLACEHOLDERS[family])
     ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -81,8 +84,8 @@ def vlm_parts(family: str):
     return config, processor
 
 
-def save_vlm_model(path: Path, family: str, seed: int = 0) -> Path:
-    config, processor = vlm_parts(family)
+def save_vlm_model(path: Path, family: str, seed: int = 0, width: int = 32, layers: int = 2) -> Path:
+    config, processor = vlm_parts(family, width, layers)
     torch.manual_seed(seed)
     T.AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     processor.save_pretrained(path)

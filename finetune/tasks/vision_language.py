@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 from datasets import DatasetDict
 from transformers import AutoProcessor, PreTrainedModel
 
@@ -104,8 +105,8 @@ def freeze_parts(model: PreTrainedModel, cfg) -> list[str]:
     loaded weights (no gradients, no optimizer state, no LoRA adapters). The
     names of the parts frozen."""
     frozen = []
-    for asked, names, option in ((cfg.freeze_vision_tower, VISION_TOWERS, "--no_freeze_vision_tower"),
-                                 (cfg.freeze_projector, PROJECTORS, "--no_freeze_projector")):
+    for asked, names, option in ((cfg.freeze_vision_tower, VISION_TOWERS, "--freeze_vision_tower false"),
+                                 (cfg.freeze_projector, PROJECTORS, "--freeze_projector false")):
         if not asked:
             continue
         name, module = part_named(model, names)
@@ -129,6 +130,10 @@ class VisionLanguageLM(CausalLM):
             run_dir.mkdir(parents=True, exist_ok=True)
         from_main = self._loading_plan(accelerator, backend)
         self.rows_hold_examples = False  # one conversation a row, padded
+        # A tower trained whole has layers the language model never reads (CLIP's pooling norm when the
+        # features come from a hidden layer): DDP must not wait for their gradients.
+        if accelerator.ddp_handler is None:
+            accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
         resize_images(processor, cfg)
         model = self._pretrained_weights(accelerator, from_main)
