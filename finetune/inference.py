@@ -157,6 +157,7 @@ def evaluate_model_dir(model_dir: str, given: dict, score_split: str = "", held_
             options["block_size"] = min(context, 1024)
             block_size = f"block size {options['block_size']} (the model's context length, at most 1024)"
     cfg = TrainConfig(task=entry.name, per_device_batch_size=batch_size,
+                      **({"model": str(model_dir)} if entry.has_processor else {}),  # its processor makes the batches
                       **{k: v for k, v in options.items() if k in DATA_OPTIONS})
     task = entry.load_class()(cfg)
     from accelerate import Accelerator  # here: generate needs none of Accelerate (1.3 s of imports)

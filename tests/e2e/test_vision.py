@@ -39,7 +39,7 @@ def vlms(tmp_path_factory, worker_id) -> Path:
 @launches
 def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vision-runs")
-    runs = {name: root / name for name in (*FAMILIES, "llava-ddp", "llava-straight")}
+    runs = {name: root / name for name in (*FAMILIES, "llava-ddp", "llava-straight", "llava-lora")}
     train = ["train", "--task", "image-text-to-text", "--model"]
     procs = run_cli_together([
         *((train + [vlms / family, "--output_dir", runs[family], "--max_steps", STEPS[family], "--eval_every",
@@ -48,7 +48,9 @@ def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
         (train + [vlms / "llava", "--output_dir", runs["llava-ddp"], "--max_steps", "12", "--eval_every", "12",
                   "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256"],
          {"config": "ddp.yaml"}),
-        (train + [vlms / "llava", "--output_dir", runs["llava-straight"], *RESUMED], {"mixed_precision": "no"})], env)
+        (train + [vlms / "llava", "--output_dir", runs["llava-straight"], *RESUMED], {"mixed_precision": "no"}),
+        (train + [vlms / "llava", "--output_dir", runs["llava-lora"], "--peft", "lora", "--max_steps", "6",
+                  "--per_device_batch_size", "8", "--learning_rate", "1e-2", "--block_size", "256"], {})], env)
     for proc in procs:
         check_ok(proc)
     return runs
@@ -128,3 +130,25 @@ def test_a_run_stopped_by_sigterm_mid_epoch_resumes_to_the_same_weights(vision_r
     assert theirs.keys() == ours.keys()
     for name, tensor in theirs.items():
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lora_adapts_the_language_model_and_projector_and_exports_merged(vision_runs, vlms, tmp_path):
+    """The tower is frozen by default: LoRA leaves it as loaded; the merged
+    export of the last checkpoint is final/ to the bit."""
+    run = vision_runs["llava-lora"]
+    check_ok(run_in_process("export", run, "--output", tmp_path / "merged"))
+    final, merged = load_file(run / "final" / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert final.keys() == merged.keys() and all(torch.equal(final[k], merged[k]) for k in final)
+    base = AutoModelForImageTextToText.from_pretrained(vlms / "llava").state_dict()
+    trained = AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
+    moved = {name for name in base if not torch.equal(base[name], trained[name])}
+    assert not any(".vision_tower." in name for name in moved)
+    assert any(".multi_modal_projector." in name for name in moved) and any(".language_model." in name for name in moved)
+
+
+def test_evaluate_scores_the_runs_held_out_images_as_the_run_did(vision_runs):
+    run = vision_runs["llava"]
+    proc = run_in_process("evaluate", run / "final")
+    check_ok(proc)
+    scored = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert abs(scored["eval_loss"] - eval_rows(run)[-1]["eval_loss"]) < 0.02, (scored, eval_rows(run)[-1])  # bf16 run
