@@ -113,6 +113,9 @@ non_negative_int = _checked(int, lambda v: v >= 0, "a whole number", ">= 0")
 non_negative_float = _checked(float, lambda v: v >= 0, "a number", ">= 0")
 fraction = _checked(float, lambda v: 0.0 < v < 1.0, "a number between 0 and 1", "between 0 and 1")
 fraction_or_one = _checked(float, lambda v: 0.0 < v <= 1.0, "a number", "in (0, 1]")
+BOOLEANS = {"true": True, "false": False}
+true_or_false = _checked(lambda text: BOOLEANS[text.lower()] if text.lower() in BOOLEANS else int("x"),
+                         lambda v: True, "true or false", "true or false")
 
 
 def byte_size(text: str) -> int:
@@ -318,6 +321,13 @@ def _add_estimate_memory(sub) -> None:
     memory.add_argument("--per_device_batch_size", type=positive_int, default=8,
                         help="sequences per device (default: 8)")
     memory.add_argument("--block_size", type=positive_int, default=128, help="tokens per sequence (default: 128)")
+    memory.add_argument("--images_per_sample", type=positive_int, default=1,
+                        help="a vision-language model's images a row (default: 1)")
+    memory.add_argument("--max_pixels", type=non_negative_int, default=0,
+                        help="as for train: the most pixels an image is resized to, for the families that size images "
+                             "by pixel count (Qwen-VL's)")
+    memory.add_argument("--freeze_vision_tower", type=true_or_false, default=True, metavar="true|false",
+                        help="as for train: the vision tower kept as loaded (default: true)")
     memory.add_argument("--loss_chunk_size", type=non_negative_int, default=TrainConfig().loss_chunk_size,
                         help="as for train: positions per chunk of the loss, 0 = the full logits "
                              f"(default: {TrainConfig().loss_chunk_size})")
@@ -652,7 +662,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     if not 0 < args.vllm_gpu_memory_utilization < 1:
         raise UsageError(f"--vllm_gpu_memory_utilization must be in (0, 1), got {args.vllm_gpu_memory_utilization}; "
                          "pass e.g. 0.3")
-    shape = model_shape(args.model, peft, num_processes, task=objective.tasks[0])
+    shape = model_shape(args.model, peft, num_processes, task=objective.tasks[0], images_per_sample=args.images_per_sample,
+                        max_pixels=args.max_pixels, freeze_vision_tower=args.freeze_vision_tower)
     ram_efficient_loading = launch.ram_efficient_loading and not peft.each_rank_loads_the_base
     weight_bytes = 2 if args.model_dtype == "bfloat16" else 4
     beta = args.beta if args.beta is not None else objective.defaults.get("beta", TrainConfig.beta)

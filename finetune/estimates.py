@@ -42,6 +42,13 @@ class ModelShape:
     tp_plan: bool = False     # transformers has a tensor-parallel plan for the model
     expert_params: int = 0    # a mixture of experts': the experts' parameters (all held, few computed with)
     active_params: int = 0    # the parameters one token computes with (all but the experts it is not routed to)
+    # A vision-language model's tower: its blocks, their width, the patches of one image through it, the
+    # images of one row, and whether it trains (a frozen one keeps no activations for backward).
+    vision_layers: int = 0
+    vision_hidden: int = 0
+    image_patches: int = 0
+    images_per_sample: int = 0
+    vision_frozen: bool = True
 
 
 @dataclass
@@ -77,6 +84,7 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
     tokens = batch * block_size
     per_layer = int((10 + 24 / tensor_parallel) * shape.hidden * tokens * compute_bytes) // 2
     layers = (shape.layers * 2 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
+    layers += vision_activation_bytes(shape, batch, compute_bytes, checkpointing)
     if not loss_chunk_size or tensor_parallel > 1:
         # The logits, their fp32 copy and gradient, and the output layer's weight gradient.
         return (layers + tokens * shape.vocab * (compute_bytes + 4 + 4)
@@ -86,6 +94,19 @@ def activation_bytes(shape: ModelShape, batch: int, block_size: int, compute_byt
     # output layer's (fp32).
     chunk = min(tokens, loss_chunk_size) * shape.vocab * (compute_bytes + 4 + compute_bytes)
     return layers + chunk + tokens * shape.hidden * compute_bytes + shape.vocab * shape.hidden * 4
+
+
+def vision_activation_bytes(shape: ModelShape, batch: int, compute_bytes: int, checkpointing: bool = False) -> int:
+    """A vision tower's activations for the images of `batch` rows (a
+    transformer's per patch, as the language model's per token). A frozen
+    tower runs without autograd: one block's at a time."""
+    patches = batch * shape.images_per_sample * shape.image_patches
+    per_layer = int(34 * shape.vision_hidden * patches * compute_bytes) // 2
+    if shape.vision_frozen or not patches:
+        return per_layer
+    if checkpointing:
+        return shape.vision_layers * 2 * shape.vision_hidden * patches * compute_bytes // 2 + per_layer
+    return shape.vision_layers * per_layer
 
 
 def frozen_bytes(shape: ModelShape, weight_bytes: int, ranks: int = 1) -> int:

@@ -59,6 +59,7 @@ from finetune.estimates import (GIB, RUNTIME_BYTES, Estimate, ModelShape, activa
 from finetune.host_memory import MMAP_THRESHOLD_BYTES
 from finetune.models import check_config_sizes, moe
 from finetune.models.gguf import converted_dir, is_gguf
+from finetune.models.vision import VISION_TOWERS, part_named
 from finetune.presets import GPT2_PRESETS
 from finetune.shard_loading import OwnShards
 from finetune.tasks import REGISTRY, task_for_config, task_of_preset
@@ -71,15 +72,20 @@ class ShapesThePlan(Protocol):
 
 
 def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_processes: int = 1,
-                task: str = "causal-lm") -> ModelShape:
+                task: str = "causal-lm", images_per_sample: int = 1, max_pixels: int = 0,
+                freeze_vision_tower: bool = True) -> ModelShape:
     """Counts parameters on the meta device: nothing is allocated or downloaded
     but the config. The activation model is a transformer's, so only causal LMs
     are estimated. The PEFT method (`peft`) shapes the model as it would train
     it (adapters added and trainable, the base frozen, some of it in 4 bits
     over `num_processes`). `task`: the head the objective trains on that
     language model: a reward model's is a score (`sequence-classification`),
-    one output a token where a causal LM has the vocabulary."""
-    causal_lm = REGISTRY["causal-lm"]
+    one output a token where a causal LM has the vocabulary. A vision-language
+    model adds its tower: `images_per_sample` images a row, each of its fixed
+    size or (a family that sizes images by pixel count) of `max_pixels`,
+    through a tower that trains unless `freeze_vision_tower`."""
+    causal_lm, vision = REGISTRY["causal-lm"], REGISTRY["image-text-to-text"]
+    found = causal_lm
     if name_or_path in GPT2_PRESETS:
         config = GPT2Config(**GPT2_PRESETS[name_or_path])
     elif (preset_task := task_of_preset(name_or_path)) is not None:
@@ -95,14 +101,24 @@ def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_proces
             raise UsageError(f"could not read the config of --model {name_or_path} ({str(e).splitlines()[0]}); "
                              "pass a preset, a local HF model dir or a reachable Hub id") from None
         check_config_sizes(config, f"--model {name_or_path}")
-        if task_for_config(config) is not causal_lm:
-            raise UsageError(f"estimate-memory models transformer causal LMs, and --model {name_or_path} is a "
-                             f"{type(config).__name__}; pass a causal LM ({', '.join(causal_lm.presets)}, or a model dir)")
+        found = task_for_config(config)
+        if found not in (causal_lm, vision):
+            raise UsageError(f"estimate-memory models transformer causal LMs and vision-language models, and --model "
+                             f"{name_or_path} is a {type(config).__name__}; pass a causal LM "
+                             f"({', '.join(causal_lm.presets)}, or a model dir)")
     head = REGISTRY[task]
-    if head is not causal_lm:
+    if found is vision and head is not causal_lm:
+        raise UsageError(f"--model {name_or_path} is a vision-language model, which --method reward does not train; "
+                         "plan it with --method sft")
+    if found is vision:
+        head = vision
+    elif head is not causal_lm:
         config.num_labels = 1  # a reward model's one score (scored_pairs.RewardModel)
+    tower = vision_tower_shape(config, name_or_path, images_per_sample, max_pixels) if found is vision else {}
     with torch.device("meta"):
         model = head.auto().from_config(config)
+    if found is vision and freeze_vision_tower:
+        part_named(model, VISION_TOWERS)[1].requires_grad_(False)  # as a run freezes it by default
     experts = moe.parameter_counts(model, config) if moe.is_moe(config) else {"experts": 0, "active": 0}
     model, four_bit = peft.plan_model(model, num_processes) if peft else (model, 0)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -111,17 +127,39 @@ def model_shape(name_or_path: str, peft: ShapesThePlan | None = None, num_proces
     unique = {id(p): p for p in model.parameters()}
     root = sum(p.numel() for i, p in unique.items() if i not in in_blocks)
     block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    text = config.get_text_config()  # a vision-language model's language model; the model itself otherwise
     return ModelShape(params=sum(p.numel() for p in unique.values()), largest_unit=max(root, block),
                       trainable=sum(p.numel() for p in unique.values() if p.requires_grad), four_bit=four_bit,
                       four_bit_bytes_per_weight=peft.four_bit_bytes_per_weight if peft else 0.0,
-                      layers=max(len(blocks), 1), hidden=getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0),
-                      vocab=config.vocab_size if head is causal_lm else config.num_labels,  # the logits' width
+                      layers=text.num_hidden_layers if found is vision else max(len(blocks), 1),
+                      hidden=getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0),
+                      vocab=text.vocab_size if head is not REGISTRY["sequence-classification"] else config.num_labels,
+                      vision_frozen=freeze_vision_tower, **tower,
                       heap_params=sum(p.numel() for p in unique.values() if 4 * p.numel() < MMAP_THRESHOLD_BYTES),
                       largest_tensor=max(p.numel() for p in unique.values()),
                       tp_plan=bool(getattr(config, "base_model_tp_plan", None)),
                       expert_params=experts["experts"], active_params=experts["active"],
                       own_shards=name_or_path not in GPT2_PRESETS
-                      and OwnShards.for_model(name_or_path, config, causal_lm.auto(), trust_remote_code=False) is not None)
+                      and OwnShards.for_model(name_or_path, config, head.auto(), trust_remote_code=False) is not None)
+
+
+def vision_tower_shape(config, name_or_path: str, images_per_sample: int, max_pixels: int) -> dict:
+    """ModelShape's tower fields: its blocks and width (Qwen-VL's `depth` and
+    `embed_dim` too), and the patches of one image: its fixed size's, or
+    `max_pixels`' for a family that sizes images by pixel count."""
+    tower = config.vision_config
+    patch = tower.patch_size
+    side = getattr(tower, "image_size", None)
+    if side:
+        patches = (side // patch) ** 2
+    elif max_pixels:
+        patches = max_pixels // patch**2
+    else:
+        raise UsageError(f"--model {name_or_path} sizes its images by pixel count; pass --max_pixels (the most pixels "
+                         "an image is resized to, as in training)")
+    return dict(vision_layers=getattr(tower, "num_hidden_layers", None) or getattr(tower, "depth", 0),
+                vision_hidden=getattr(tower, "hidden_size", None) or getattr(tower, "embed_dim", 0),
+                image_patches=patches, images_per_sample=images_per_sample)
 
 
 @dataclass
@@ -348,7 +386,7 @@ def estimate(shape: ModelShape, num_processes: int, batch: int, block_size: int,
 
 def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, device_memory: int | None,
            host: HostRam | None = None) -> str:
-    trainable = (f", of which {shape.trainable:,} trainable adapters ({100 * shape.trainable / shape.params:.2f}%)"
+    trainable = (f", of which {shape.trainable:,} trainable ({100 * shape.trainable / shape.params:.2f}%)"
                  if shape.trainable and shape.trainable < shape.params else "")
     experts = (f"; a mixture of experts: {shape.expert_params:,} in the experts "
                f"({100 * shape.expert_params / shape.params:.1f}% of the state, every one held), {shape.active_params:,} "
@@ -367,6 +405,11 @@ def render(shape: ModelShape, estimates: list[Estimate], num_processes: int, dev
         columns = "".join(f" {getattr(e, held):,} |" for held in extra)
         lines.append(f"| {e.strategy} | {e.params:,} | {e.grads:,} | {e.optimizer:,} | {e.gathered:,} | "
                      f"{e.activations:,} |{columns} {e.total:,} ({e.total / GIB:.2f} GiB) | {rss} | {fits} |")
+    if shape.vision_layers:
+        lines += ["", f"Vision tower: {shape.vision_layers} blocks of width {shape.vision_hidden}, "
+                      f"{'frozen (no activations kept for backward)' if shape.vision_frozen else 'trained'}; "
+                      f"{shape.images_per_sample} image(s) a row of {shape.image_patches:,} patches each, their "
+                      "tokens within --block_size; the activations column counts the tower's too."]
     if host is not None:
         lines += ["", f"Host RAM per rank above the runtime ({RUNTIME_BYTES:,}): loading the weights "
                       f"{host.load_main:,} on the main process, {host.load_other:,} on each other ({host.loading}); "

@@ -21,6 +21,7 @@ from finetune.data.sources import limit_samples
 from finetune.data.text import load_raw_data
 from finetune.data.vision import VisionChatEncoder, VisionCollator, check_rows
 from finetune.errors import UsageError
+from finetune.models.vision import PROJECTORS, VISION_TOWERS, part_named
 from finetune.tasks.base import Scored, TaskData
 from finetune.tasks.causal_lm import CausalLM, Scores
 from finetune.tasks.lm_loss import IGNORE, full_logits_nll, next_token_targets
@@ -88,16 +89,6 @@ def resize_images(processor, cfg) -> None:
             raise UsageError(f"--image_size sets the longest side for processors that resize by it (Idefics3's, "
                              f"SmolVLM's), not the processor of --model {cfg.model} ({kind}); {fix}")
         size.longest_edge = cfg.image_size
-
-
-VISION_TOWERS = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
-PROJECTORS = ("multi_modal_projector", "connector", "merger", "mm_projector", "embed_vision")
-
-
-def part_named(model: PreTrainedModel, names: tuple[str, ...]):
-    """The first module whose own name is one of `names` (a family's name for its vision tower or projector)."""
-    return next(((name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in names),
-                (None, None))
 
 
 def freeze_parts(model: PreTrainedModel, cfg) -> list[str]:

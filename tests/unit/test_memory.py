@@ -173,3 +173,40 @@ def test_the_generation_engine_is_planned_beside_training(capsys):
     assert "which does not hold the weights (0.23 GiB): raise --vllm_gpu_memory_utilization" in out
     proc = run_in_process("estimate-memory", "--model", "gpt2-small", "--generation_engine", "replica")
     assert proc.returncode == 2 and "and --method is sft; drop them or pass --method grpo" in proc.stderr.strip()
+
+
+def test_a_vision_language_model_is_planned_with_its_tower_and_images(tmp_path):
+    """The tower's parameters are counted; kept frozen (train's default) it has
+    no gradients or optimizer state and keeps no activations for backward;
+    more images a row, or a trained tower, take more activations."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2_5_VLConfig
+    from vlm_models import save_vlm_model
+
+    from finetune.errors import UsageError
+    from finetune.estimates import activation_bytes
+    from finetune.memory import model_shape
+
+    llava = save_vlm_model(tmp_path / "llava", "llava")
+    with torch.device("meta"):
+        whole = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(llava))
+    tower = sum(p.numel() for p in whole.model.vision_tower.parameters())
+    frozen = model_shape(str(llava))
+    assert frozen.params == sum(p.numel() for p in whole.parameters())
+    assert frozen.trainable == frozen.params - tower
+    assert (frozen.layers, frozen.hidden, frozen.image_patches, frozen.vision_layers) == (2, 32, 4, 2)
+    trained, two_images = model_shape(str(llava), freeze_vision_tower=False), model_shape(str(llava), images_per_sample=2)
+    assert trained.trainable == trained.params
+
+    def acts(shape):
+        return activation_bytes(shape, 8, 128, 2)
+    assert acts(trained) > acts(frozen) > 0 and acts(two_images) > acts(frozen)
+
+    qwen = tmp_path / "qwen"  # sizes images by pixel count: the plan needs --max_pixels
+    Qwen2_5_VLConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=300),
+                     vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                                        fullatt_block_indexes=[1])).save_pretrained(qwen)
+    with pytest.raises(UsageError, match="sizes its images by pixel count; pass --max_pixels"):
+        model_shape(str(qwen))
+    assert model_shape(str(qwen), max_pixels=28 * 28 * 16).image_patches == 64
