@@ -109,3 +109,24 @@ def greedy_accuracy(model_dir: Path, rows: list[dict], root: Path) -> float:
         answer = processor.tokenizer.decode(out[0, inputs["input_ids"].size(1):], skip_special_tokens=True)
         right += answer.strip() == row["messages"][1]["content"][0]["text"]
     return right / len(rows)
+
+
+def shape_pairs(shapes: Path) -> Path:
+    """Preference pairs (TRL's prompt/chosen/rejected with images) of the drawn
+    shapes, beside their images: the right answer chosen, a word of the other
+    question's kind rejected (a shape's name for a colour)."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    pairs = []
+    for line in shapes.read_text().splitlines():
+        row = json.loads(line)
+        answer = row["messages"][1]["content"][0]["text"]
+        wrong = rng.choice(SHAPES if answer in COLOURS else list(COLOURS))
+        pairs.append({"prompt": row["messages"][:1], "images": row["images"],
+                      "chosen": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                      "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}]})
+    path = shapes.with_name("pairs.jsonl")
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return path

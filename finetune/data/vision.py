@@ -151,15 +151,23 @@ def conversation(row: dict, where: str) -> Conversation:
     return Conversation(messages, images, where)
 
 
-def check_rows(split, root: Path | None, name: str) -> int:
-    """Every row's conversation and images, without decoding an image; the number of images."""
+def pair_conversations(row: dict, where: str) -> list[Conversation]:
+    """A preference pair as two conversations (TRL's prompt, chosen and
+    rejected, with images): the prompt answered by each."""
+    return [conversation({"prompt": row.get("prompt"), "completion": row.get(side),
+                          **{c: row[c] for c in IMAGE_COLUMNS if c in row}}, f"{where} ({side})")
+            for side in ("chosen", "rejected")]
+
+
+def check_rows(split, root: Path | None, name: str, talks=lambda row, where: [conversation(row, where)]) -> int:
+    """Every row's conversations (`talks` of it) and images, without decoding an image; the number of images."""
     count = 0
     for index, row in enumerate(split):
         where = f"{name} example {row.get(EXAMPLE_NUMBER, index + 1)}"
-        talk = conversation(row, where)
-        for ref in talk.images:
+        shown = talks(row, where)[0].images  # a row's conversations show the same images
+        for ref in shown:
             open_image(ref, root, where, decode=False)
-        count += len(talk.images)
+        count += len(shown)
     return count
 
 
@@ -205,9 +213,14 @@ class VisionCollator:
     def __init__(self, encoder: VisionChatEncoder, block_size: int, root: Path | None):
         self.encoder, self.block_size, self.root = encoder, block_size, root
 
+    @staticmethod
+    def talks(row: dict, where: str) -> list[Conversation]:
+        """The conversations one row puts in a batch."""
+        return [conversation(row, where)]
+
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        talks = [conversation(row, f"example {row.get(EXAMPLE_NUMBER, i + 1)}") for i, row in enumerate(rows)]
-        return self.encode(talks)
+        talks = [self.talks(row, f"example {row.get(EXAMPLE_NUMBER, i + 1)}") for i, row in enumerate(rows)]
+        return self.encode([talk for sides in zip(*talks) for talk in sides])  # each row's first, then second, ...
 
     def encode(self, talks: list[Conversation]) -> dict[str, torch.Tensor]:
         encoder, processor = self.encoder, self.encoder.processor
@@ -243,3 +256,9 @@ class VisionCollator:
         if length > self.block_size and image[self.block_size:].any():
             raise UsageError(f"{talk.where}: its images end past --block_size {self.block_size} (the row is {length} "
                              "tokens with them); raise --block_size, or shrink the images (--max_pixels)")
+
+
+class VisionPairCollator(VisionCollator):
+    """A batch of B preference pairs as 2B conversations, the chosen sides
+    first (as pairs.py stacks them), each showing its pair's images."""
+    talks = staticmethod(pair_conversations)

@@ -37,5 +37,6 @@ def build_task(cfg):
     """The run's Task (finetune/tasks/base.py): its objective's, or the task's own for SFT."""
     from finetune.tasks import REGISTRY as TASKS
 
-    module, name = (REGISTRY[cfg.objective].task_class or TASKS[cfg.task].task_class).split(":")
+    objective = REGISTRY[cfg.objective]
+    module, name = (objective.task_classes.get(cfg.task) or objective.task_class or TASKS[cfg.task].task_class).split(":")
     return getattr(importlib.import_module(module), name)(cfg)

@@ -48,6 +48,7 @@ class Objective:
     summary: ClassVar[str]                       # what it learns, for --method's help
     # "module:Class" of the causal-LM Task that trains it; None: each task's own loss (SFT).
     task_class: ClassVar[str | None] = None
+    task_classes: ClassVar[dict[str, str]] = {}  # the Task of another --task it trains, where it has its own
     data_format: ClassVar[str | None] = None     # the one --data_format it trains on (None: any a task reads)
     options: ClassVar[type | None] = None        # its own option section
     shared: ClassVar[tuple[type, ...]] = ()      # the sections it reads with other objectives

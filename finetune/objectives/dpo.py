@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.errors import UsageError
 from finetune.objectives.base import PairObjective, ReferenceOptions, no_reference_model_under_adapters
 from finetune.options import option
 
@@ -32,10 +33,15 @@ class DPO(PairObjective):
                "under LoRA")
     options = DPOOptions
     shared = (*PairObjective.shared, ReferenceOptions)
+    tasks = ("causal-lm", "image-text-to-text")
+    task_classes = {"image-text-to-text": "finetune.objectives.vision_pairs:VisionPreferenceLM"}
 
     def check(self, cfg) -> None:
         super().check(cfg)
         no_reference_model_under_adapters(cfg)
+        if cfg.precompute_reference and cfg.task == "image-text-to-text":
+            raise UsageError("--precompute_reference caches the log-probs of token pairs, and pairs with images are "
+                             "made as they are read; drop it (the reference is then scored with each batch)")
 
     def holds_reference(self, cfg) -> bool:
         return True

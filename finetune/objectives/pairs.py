@@ -34,7 +34,7 @@ from finetune.report import plain_logs
 from finetune.signals import NoSignal
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.tasks.base import LossSum, Scored, TaskData
-from finetune.tasks.causal_lm import CausalLM, model_config, model_inputs
+from finetune.tasks.causal_lm import CausalLM, model_config
 from finetune.tasks.lm_loss import IGNORE, completion_logits, full_logits_nll, next_token_targets
 
 
@@ -71,7 +71,7 @@ class PreferenceLM(WithReference, CausalLM):
         if self.cfg.precompute_reference:
             self.cached_table, self.reference_table = cached_reference(self, accelerator, model)
         if copy_needed and self.reference_table is None:
-            self.reference = self.reference_model(data.tokenizer, model_config(model).vocab_size)
+            self.reference = self.reference_model(data.tokenizer, model_config(model).get_text_config().vocab_size)
         return model, data
 
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
@@ -145,9 +145,9 @@ class PreferenceLM(WithReference, CausalLM):
         targets = next_token_targets(batch["labels"])
         whole_sequence = sequence_nll and self.objective.reads_chosen_sequence
         if whole_sequence:
-            logits = model(**model_inputs(model, batch)).logits
+            logits = model(**self.inputs(model, batch)).logits
         else:
-            logits, targets = completion_logits(model, model_inputs(model, batch), targets)
+            logits, targets = completion_logits(model, self.inputs(model, batch), targets)
         logps = -full_logits_nll(logits, targets).sum(dim=-1)
         counts = (targets != IGNORE).sum(dim=-1)
         pairs = len(logps) // 2

@@ -65,8 +65,9 @@ class WithReference:
             config = models.load_config(cfg.reference_model, cfg.trust_remote_code, "", option="--reference_model")
             reference = models.load_pretrained(cfg.reference_model, self.entry.auto(), config, cfg.trust_remote_code,
                                                "", dtype=getattr(torch, cfg.model_dtype), option="--reference_model")
-            if reference.config.vocab_size != vocab_size:
-                raise UsageError(f"--reference_model {cfg.reference_model} has {reference.config.vocab_size} tokens "
+            tokens = reference.config.get_text_config().vocab_size  # a vision-language model's: its language model's
+            if tokens != vocab_size:
+                raise UsageError(f"--reference_model {cfg.reference_model} has {tokens} tokens "
                                  f"and --model {cfg.model} {vocab_size}; the reference must score the same tokens: "
                                  "pass a model made with the policy's tokenizer")
         without_dropout(reference)

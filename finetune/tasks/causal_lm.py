@@ -331,6 +331,10 @@ class CausalLM(Task):
     def summary_facts(self) -> dict:
         return {**super().summary_facts(), **(self.routers.summary() if self.routers else {})}
 
+    def inputs(self, model, batch: dict) -> dict:
+        """What a scoring or training forward takes of a batch (model_inputs)."""
+        return model_inputs(model, batch)
+
     def _forward(self, model, batch: dict) -> Scores:
         """The NLL comes from the output layer's input a chunk at a time
         (lm_loss.py) unless --loss_chunk_size is 0 or the model's head is not

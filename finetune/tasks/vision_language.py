@@ -113,6 +113,8 @@ class VisionLanguageLM(CausalLM):
     name = "image-text-to-text"
     throughput_key = "tokens_per_sec"
     batch_size_options = "--per_device_batch_size"
+    formats: tuple[str, ...] = IMAGE_FORMATS  # the data formats it trains on
+    collator = VisionCollator                 # what makes its batches of rows
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         cfg = self.cfg
@@ -132,7 +134,7 @@ class VisionLanguageLM(CausalLM):
         frozen = freeze_parts(model, cfg)
         model = self._made_trainable(model, accelerator, from_main)
         self._loaded(accelerator, backend, model, from_main)
-        collate = VisionCollator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
+        collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
         self.routers = None
         if frozen:
             description += f"; frozen: {', '.join(frozen)}"
@@ -147,13 +149,14 @@ class VisionLanguageLM(CausalLM):
         raw, data_format = load_raw_data(dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
                                          config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          objective=cfg.objective)
-        if data_format not in IMAGE_FORMATS:
+        if data_format not in self.formats:
             raise UsageError(f"--task {self.name} trains on conversations (messages, with an images column) or "
                              f"prompt/completion rows with an image column, and --dataset {cfg.dataset} holds "
                              f"{data_format} rows; give it those columns")
         raw = limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples)
         root = data_root(dataset)
-        images = {name: check_rows(split, root, f"--dataset {cfg.dataset}") for name, split in raw.items()}
+        images = {name: check_rows(split, root, f"--dataset {cfg.dataset}", self.collator.talks)
+                  for name, split in raw.items()}
         description = (f"{len(raw['train'])} train / {len(raw['validation'])} validation conversations with "
                        f"{images['train']} / {images['validation']} images")
         return (raw, root, description), data_format
@@ -161,12 +164,14 @@ class VisionLanguageLM(CausalLM):
     def targets(self, batch: dict) -> int:
         return int((next_token_targets(batch["labels"]) != IGNORE).sum())
 
+    def inputs(self, model, batch: dict) -> dict:
+        """The whole batch the processor made (pixels, image grids, token
+        types: every family takes its own), but the labels."""
+        return {**{key: value for key, value in batch.items() if key != "labels"}, "use_cache": False}
+
     def _forward(self, model, batch: dict) -> Scores:
-        """The whole batch the processor made goes in (pixels, image grids,
-        token types): every family takes its own."""
         targets = next_token_targets(batch["labels"])
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        nll = full_logits_nll(model(**inputs, use_cache=False).logits, targets)
+        nll = full_logits_nll(model(**self.inputs(model, batch)).logits, targets)
         return Scores(nll, nll.sum(), targets != IGNORE, batch["attention_mask"].sum())
 
     def held_out(self, model: PreTrainedModel, tokenizer) -> Scored:
@@ -174,5 +179,5 @@ class VisionLanguageLM(CausalLM):
         (splits, root, _), _ = self._rows()
         processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
         resize_images(processor, cfg)
-        collate = VisionCollator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
+        collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
         return Scored(splits["validation"], collate, len(splits["validation"]))

@@ -335,6 +335,9 @@ CASES = {
                                              "leads outside the data's dir"),
     "images for a model of text alone": (lambda t: [*_chat_model(t), *_vlm_rows(t, ["red.png"], model=False)],
                                          "which a model of text alone cannot read"),
+    "precomputed reference log-probs for image pairs": (
+        lambda t: ["--task", "image-text-to-text", "--method", "dpo", "--precompute_reference"],
+        "--precompute_reference caches the log-probs of token pairs"),
     "packing of image rows": (lambda t: ["--task", "image-text-to-text", "--packing"],
                               "--packing is not built for rows with images"),
     "a text model for the vision task": (lambda t: [*_vlm_rows(t, ["red.png"]), *_chat_model(t)],
