@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import finetune.models.cnn_config  # noqa: F401  (registers the lecture CNN's config with AutoConfig)
 
@@ -157,6 +157,8 @@ def preprocessing(task, source: str):
     if task is None or not task.has_tokenizer:
         return None
     if task.has_processor and (Path(source) / "processor_config.json").is_file():
+        from transformers import AutoProcessor  # here: importing it loads transformers' model code (1 s)
+
         return AutoProcessor.from_pretrained(source, trust_remote_code=False)
     return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
 

@@ -74,9 +74,9 @@ def open_image(ref: Any, root: Path | None, where: str, decode: bool = True):
     try:
         image = Image.open(source)
         return image.convert("RGB") if decode else image
-    except (UnidentifiedImageError, OSError) as e:
-        raise UsageError(f"{where}: {named!r} is not an image PIL can read ({str(e)[:80]}); replace it or drop the "
-                         "row") from None
+    except (UnidentifiedImageError, OSError) as e:  # PIL's message names the file again
+        raise UsageError(f"{where}: {named!r} is not an image PIL can read ({type(e).__name__}); replace it or drop "
+                         "the row") from None
 
 
 # --- rows -> conversations with image parts ------------------------------------------------------
