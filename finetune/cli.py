@@ -113,9 +113,15 @@ non_negative_int = _checked(int, lambda v: v >= 0, "a whole number", ">= 0")
 non_negative_float = _checked(float, lambda v: v >= 0, "a number", ">= 0")
 fraction = _checked(float, lambda v: 0.0 < v < 1.0, "a number between 0 and 1", "between 0 and 1")
 fraction_or_one = _checked(float, lambda v: 0.0 < v <= 1.0, "a number", "in (0, 1]")
-BOOLEANS = {"true": True, "false": False}
-true_or_false = _checked(lambda text: BOOLEANS[text.lower()] if text.lower() in BOOLEANS else int("x"),
-                         lambda v: True, "true or false", "true or false")
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
+true_or_false = _checked(_boolean, lambda v: True, "true or false", "true or false")
 
 
 def byte_size(text: str) -> int:

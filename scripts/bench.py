@@ -283,6 +283,24 @@ def train_args(args, run_dir: Path, batch: int, profile: bool = False) -> list[s
             "--max_eval_batches", "1", "--sample_prompt", "", "--output_dir", str(run_dir), *extra]
 
 
+def run_trl(case: str, script: str, script_args: list, run_dir: Path, args) -> tuple[dict, list[dict]]:
+    """One of TRL's trainers (scripts/SCRIPT with SCRIPT_ARGS, then the
+    precision) launched as ours are: fsdp.yaml, 2 processes. Its row of the
+    table, and each rank's record (none when it failed)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
+           args.mixed_precision, str(REPO / "scripts" / script), *map(str, script_args), args.mixed_precision]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
+    if proc.returncode != 0:
+        error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
+        return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}, []
+    ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+    step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
+    return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+            "distributed_type": ranks[0]["distributed_type"],
+            "local_params_per_rank": [r["local_params"] for r in ranks]}, ranks
+
+
 def fastest_rounds(cases: list, run_case, rounds: int) -> list[dict]:
     """Run every case `rounds` times, interleaved, and keep each one's fastest."""
     best: dict = {}
@@ -788,20 +806,8 @@ def suite_preference(args, objective: str) -> tuple[list[dict], str]:
             print(f"[bench] {case}, fsdp.yaml, 2 processes", flush=True)
             run_dir = Path(tmp) / f"{case.replace(' ', '-')}-{round_index}"
             if case.startswith("TRL"):
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_preference.py"), objective,
-                       str(model_dir), str(data), str(run_dir), str(args.batch), str(args.steps), str(args.block_size),
-                       args.mixed_precision]
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
-                if proc.returncode != 0:
-                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
-                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
-                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
-                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
-                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
-                        "distributed_type": ranks[0]["distributed_type"],
-                        "local_params_per_rank": [r["local_params"] for r in ranks]}
+                return run_trl(case, "bench_trl_preference.py", [objective, model_dir, data, run_dir, args.batch,
+                                                                 args.steps, args.block_size], run_dir, args)[0]
             extra = ["--precompute_reference"] if "precomputed" in case else []
             launch("fsdp.yaml", 2, [*ours_args, *extra, "--output_dir", str(run_dir)], args.mixed_precision)
             return {"case": case, **measure(run_dir)}
@@ -874,21 +880,13 @@ def suite_grpo(args) -> tuple[list[dict], str]:
             print(f"[bench] {case}, 2 processes", flush=True)
             run_dir = Path(tmp) / f"{case.replace(' ', '-').replace(',', '')}-{round_index}"
             if case.startswith("TRL"):
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_grpo.py"), str(model_dir), str(data),
-                       str(run_dir), str(args.batch), str(args.num_generations), str(args.max_completion_length),
-                       str(args.steps), str(args.grpo_learning_rate), args.mixed_precision]
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
-                if proc.returncode != 0:
-                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
-                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
-                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
-                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
-                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
-                        "distributed_type": ranks[0]["distributed_type"],
-                        "local_params_per_rank": [r["local_params"] for r in ranks], "rewards": ranks[0]["rewards"],
-                        "completion_length": statistics.mean(ranks[0]["completion_lengths"])}
+                result, ranks = run_trl(case, "bench_trl_grpo.py", [model_dir, data, run_dir, args.batch,
+                                        args.num_generations, args.max_completion_length, args.steps,
+                                        args.grpo_learning_rate], run_dir, args)
+                if ranks:
+                    result.update(rewards=ranks[0]["rewards"],
+                                  completion_length=statistics.mean(ranks[0]["completion_lengths"]))
+                return result
             config = "ddp.yaml" if "DDP" in case else "fsdp.yaml"
             engine = "replica" if "replica" in case else "sharded"
             launch(config, 2, ["--model", str(model_dir), "--dataset", str(data), "--method", "grpo",
@@ -978,19 +976,8 @@ def suite_moe(args) -> tuple[list[dict], str]:
             print(f"[bench] {case}, fsdp.yaml, 2 processes", flush=True)
             run_dir = Path(tmp) / f"{case.replace(' ', '-')}-{round_index}"
             if case.startswith("TRL"):
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_moe.py"), str(model_dir), str(texts),
-                       str(run_dir), str(args.batch), str(args.steps), str(args.block_size), args.mixed_precision]
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
-                if proc.returncode != 0:
-                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
-                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
-                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
-                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
-                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
-                        "distributed_type": ranks[0]["distributed_type"],
-                        "local_params_per_rank": [r["local_params"] for r in ranks]}
+                return run_trl(case, "bench_trl_moe.py", [model_dir, texts, run_dir, args.batch, args.steps,
+                                                          args.block_size], run_dir, args)[0]
             launch("fsdp.yaml", 2, ["--model", str(model_dir), "--dataset", str(texts), "--data_format", "text",
                                     "--max_steps", str(args.steps), "--block_size", str(args.block_size),
                                     "--per_device_batch_size", str(args.batch), "--learning_rate", "1e-4",
@@ -1047,19 +1034,8 @@ def suite_vlm(args) -> tuple[list[dict], str]:
             print(f"[bench] {case}, 2 processes", flush=True)
             run_dir = Path(tmp) / f"{case.replace(' ', '-').replace(',', '')}-{round_index}"
             if case.startswith("TRL"):
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                       str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--mixed_precision",
-                       args.mixed_precision, str(REPO / "scripts" / "bench_trl_vlm.py"), str(model_dir), str(trl_rows),
-                       str(run_dir), str(args.batch), str(args.steps), args.mixed_precision]
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=checkout_env(REPO))
-                if proc.returncode != 0:
-                    error = next((line for line in reversed(proc.stderr.splitlines()) if "Error" in line), "failed")
-                    return {"case": case, "step_time_s": math.inf, "failed": error.strip()[:200]}
-                ranks = [json.loads((run_dir / f"rank-{r}.json").read_text()) for r in range(2)]
-                step = statistics.median(max(times) for times in zip(*(r["step_times"][1:] for r in ranks)))
-                return {"case": case, "step_time_s": step, "peak_memory_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
-                        "distributed_type": ranks[0]["distributed_type"],
-                        "local_params_per_rank": [r["local_params"] for r in ranks]}
+                return run_trl(case, "bench_trl_vlm.py", [model_dir, trl_rows, run_dir, args.batch, args.steps],
+                               run_dir, args)[0]
             launch("ddp.yaml" if "DDP" in case else "fsdp.yaml", 2,
                    ["--task", "image-text-to-text", "--model", str(model_dir), "--dataset", str(rows),
                     "--max_steps", str(args.steps), "--per_device_batch_size", str(args.batch), "--learning_rate", "1e-4",

@@ -385,6 +385,23 @@ def _fork_server_home(tmp_path_factory, worker_id):
     ForkServer.started_with = None
 
 
+def stopped_by_sigterm(args: list, env: dict, checkpoint: Path) -> str:
+    """`accelerate launch` of fsdp.yaml on 2 processes in fp32 running
+    `finetune ARGS`, stopped as a scheduler stops a job: SIGTERM to its whole
+    process group once `checkpoint` exists. Its stderr, which says where it stopped."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
+         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+         "-m", "finetune", *map(str, args)],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not checkpoint.is_dir():
+        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(launcher.pid, signal.SIGTERM)
+    return launcher.communicate(timeout=120)[1]
+
+
 def run_in_process(*args) -> subprocess.CompletedProcess:
     """`finetune ARGS` through the same `main` the console script calls, in this
     process (no interpreter start-up): for the single-process commands."""

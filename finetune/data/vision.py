@@ -159,7 +159,12 @@ def pair_conversations(row: dict, where: str) -> list[Conversation]:
             for side in ("chosen", "rejected")]
 
 
-def check_rows(split, root: Path | None, name: str, talks=lambda row, where: [conversation(row, where)]) -> int:
+def one_conversation(row: dict, where: str) -> list[Conversation]:
+    """An SFT row is one conversation."""
+    return [conversation(row, where)]
+
+
+def check_rows(split, root: Path | None, name: str, talks=one_conversation) -> int:
     """Every row's conversations (`talks` of it) and images, without decoding an image; the number of images."""
     count = 0
     for index, row in enumerate(split):
@@ -213,10 +218,7 @@ class VisionCollator:
     def __init__(self, encoder: VisionChatEncoder, block_size: int, root: Path | None):
         self.encoder, self.block_size, self.root = encoder, block_size, root
 
-    @staticmethod
-    def talks(row: dict, where: str) -> list[Conversation]:
-        """The conversations one row puts in a batch."""
-        return [conversation(row, where)]
+    talks = staticmethod(one_conversation)  # the conversations one row puts in a batch
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         talks = [self.talks(row, f"example {row.get(EXAMPLE_NUMBER, i + 1)}") for i, row in enumerate(rows)]

@@ -111,14 +111,13 @@ def freeze_parts(model: PreTrainedModel, cfg) -> list[str]:
 
 class VisionLanguageLM(CausalLM):
     name = "image-text-to-text"
-    throughput_key = "tokens_per_sec"
     batch_size_options = "--per_device_batch_size"
     formats: tuple[str, ...] = IMAGE_FORMATS  # the data formats it trains on
     collator = VisionCollator                 # what makes its batches of rows
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         cfg = self.cfg
-        (splits, root, description), data_format = main_process_first(accelerator, self._rows)
+        splits, root, description, data_format = main_process_first(accelerator, self._rows)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
         from_main = self._loading_plan(accelerator, backend)
@@ -135,15 +134,14 @@ class VisionLanguageLM(CausalLM):
         model = self._made_trainable(model, accelerator, from_main)
         self._loaded(accelerator, backend, model, from_main)
         collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
-        self.routers = None
         if frozen:
             description += f"; frozen: {', '.join(frozen)}"
         return model, TaskData(splits["train"], splits["validation"], processor.tokenizer, description,
                                collate=collate, data_format=data_format, processor=processor)
 
-    def _rows(self) -> tuple[tuple[DatasetDict, Path | None, str], str]:
+    def _rows(self) -> tuple[DatasetDict, Path | None, str, str]:
         """The splits (rows as stored, images not decoded), the dir image paths
-        start from, and what they hold; every row and image checked."""
+        start from, what they hold, and their format; every row and image checked."""
         cfg = self.cfg
         dataset = str(build_shapes()) if cfg.dataset == "builtin" else cfg.dataset
         raw, data_format = load_raw_data(dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
@@ -159,7 +157,7 @@ class VisionLanguageLM(CausalLM):
                   for name, split in raw.items()}
         description = (f"{len(raw['train'])} train / {len(raw['validation'])} validation conversations with "
                        f"{images['train']} / {images['validation']} images")
-        return (raw, root, description), data_format
+        return raw, root, description, data_format
 
     def targets(self, batch: dict) -> int:
         return int((next_token_targets(batch["labels"]) != IGNORE).sum())
@@ -176,7 +174,7 @@ class VisionLanguageLM(CausalLM):
 
     def held_out(self, model: PreTrainedModel, tokenizer) -> Scored:
         cfg = self.cfg
-        (splits, root, _), _ = self._rows()
+        splits, root, _, _ = self._rows()
         processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
         resize_images(processor, cfg)
         collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)

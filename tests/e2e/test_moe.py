@@ -7,17 +7,12 @@ exactly after SIGTERM."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO, check_ok, free_port, run_cli, run_cli_together, run_in_process, train_rows
+from conftest import check_ok, run_cli, run_cli_together, run_in_process, stopped_by_sigterm, train_rows
 from sft_models import FAMILY_SHAPES, MOE_FAMILIES, conversations, save_family_model, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -133,17 +128,7 @@ def test_moe_lora_reaches_the_experts_merges_as_peft_and_resumes_exactly_after_s
     assert "no dropout on the adapters of mlp.experts.down_proj, mlp.experts.gate_up_proj" in proc.stdout
 
     stopped = tmp_path / "stopped"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
-         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-         "-m", "finetune", *map(str, train_args(base, chat_data, stopped, *lora))],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not (stopped / "checkpoints" / "step_000002").is_dir():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
-        time.sleep(0.05)
-    os.killpg(launcher.pid, signal.SIGTERM)
-    _, err = launcher.communicate(timeout=120)
+    err = stopped_by_sigterm(train_args(base, chat_data, stopped, *lora), env, stopped / "checkpoints" / "step_000002")
     assert "stopped: SIGTERM at step" in err, err[-3000:]
     check_ok(run_cli(["resume", stopped], env, mixed_precision="no", warm=True))
     assert [r["step"] for r in train_rows(stopped)][-1] == STEPS

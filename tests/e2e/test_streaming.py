@@ -9,7 +9,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, free_port, run_cli, run_in_process, train_rows
+from conftest import REPO, check_ok, run_cli, run_in_process, stopped_by_sigterm, train_rows
 from sft_models import CHATML, chat_tokenizer, conversations
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
@@ -260,17 +259,8 @@ def test_a_stream_stopped_by_sigterm_resumes_with_the_uninterrupted_losses(kind,
     check_ok(run_cli(["train", *args, "--output_dir", whole], env, mixed_precision="no", warm=True))
 
     stopped = tmp_path / "stopped"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
-         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
-         "-m", "finetune", "train", *map(str, args), "--output_dir", str(stopped), "--dataloader_num_workers", "2"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while not (stopped / "checkpoints" / "step_000004").is_dir():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
-        time.sleep(0.05)
-    os.killpg(launcher.pid, signal.SIGTERM)
-    _, err = launcher.communicate(timeout=120)
+    err = stopped_by_sigterm(["train", *args, "--output_dir", stopped, "--dataloader_num_workers", "2"], env,
+                             stopped / "checkpoints" / "step_000004")
     stop = re.search(r"stopped: SIGTERM at step (\d+)", err)
     assert stop, err[-3000:]
     assert int(stop.group(1)) < STOPPED_STEPS

@@ -5,11 +5,6 @@ embedded drawn shapes; checked from outside with transformers alone."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +13,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from conftest import (REPO, check_ok, eval_rows, free_port, launches, made_once, run_cli, run_cli_together,
-                      run_in_process, train_rows)
+from conftest import (check_ok, eval_rows, launches, made_once, run_cli, run_cli_together, run_in_process,
+                      stopped_by_sigterm, train_rows)
 from finetune.data.shapes import build_shapes
 from vlm_models import FAMILIES, greedy_accuracy, save_vlm_model, shape_pairs
 
@@ -116,18 +111,8 @@ def test_ddp_trains_the_same_model(vision_runs):
 
 def test_a_run_stopped_by_sigterm_mid_epoch_resumes_to_the_same_weights(vision_runs, vlms, tmp_path, env):
     stopped = tmp_path / "stopped"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/fsdp.yaml"),
-         "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), "-m", "finetune",
-         "train", "--task", "image-text-to-text", "--model", str(vlms / "llava"), "--output_dir", str(stopped),
-         *RESUMED], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    deadline = time.time() + 240
-    while not (stopped / "checkpoints" / "step_000004").is_dir():
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()[1][-3000:]
-        time.sleep(0.05)
-    os.killpg(launcher.pid, signal.SIGTERM)
-    _, err = launcher.communicate(timeout=120)
+    err = stopped_by_sigterm(["train", "--task", "image-text-to-text", "--model", vlms / "llava", "--output_dir", stopped,
+                              *RESUMED], env, stopped / "checkpoints" / "step_000004")
     assert "stopped: SIGTERM at step" in err, err[-3000:]
     check_ok(run_cli(["resume", stopped], env, mixed_precision="no", warm=True))
     straight = vision_runs["llava-straight"]
