@@ -263,7 +263,7 @@ def prepare_loaders(cfg: TrainConfig, accelerator: Accelerator, task: Task,
     training loader: each rank reads its own part (StreamBatches)."""
     data_parallel = data_parallel_size(accelerator)
     eval_loader = DataLoader(data.validation, batch_size=cfg.per_device_eval_batch_size or cfg.per_device_batch_size,
-                             collate_fn=data.collate, generator=torch.Generator().manual_seed(cfg.seed))
+                             collate_fn=data.eval_collate or data.collate, generator=torch.Generator().manual_seed(cfg.seed))
     if data.stream is not None:
         if data_parallel != accelerator.num_processes:
             raise UsageError("--streaming splits the data by rank, and tensor-parallel ranks share one batch; stream "

@@ -1,7 +1,12 @@
 """The embedded default for vision-language models: pictures the tool draws
 itself (a shape in a colour, on a plain ground, at a random place and size)
-with a question about each and its one-word answer, as chat rows with an
-`images` column of PNG files beside them (TRL's format).
+with a question about each and its one-word answer, in TRL's formats, each
+row with an `images` column of PNG files beside them:
+
+- `shapes.jsonl`: chat rows (SFT), the question and its answer;
+- `pairs.jsonl`: preference rows (DPO), the right answer chosen over a wrong
+  one of the same kind (another colour, another shape): only the pixels tell;
+- `prompts.jsonl`: prompt rows with an `answer` column (GRPO's exact_match).
 
 Drawn with PIL, deterministic, built at run time into the cache and never
 committed. The answers can be learnt from the pixels alone, by a tiny model on
@@ -23,7 +28,7 @@ SHAPES = ("square", "circle", "triangle")
 QUESTIONS = {"colour": "What colour is the shape?", "shape": "What shape is drawn?"}
 SIDE = 32      # pixels; every processor resizes to its own size
 COUNT = 480    # rows: the held-out split (--validation_split) comes from these
-VERSION = 1    # bump when the drawing changes: the cache is keyed by it
+VERSION = 2    # bump when the drawing changes: the cache is keyed by it
 
 
 def draw(shape: str, colour: str, rng: random.Random):
@@ -45,8 +50,12 @@ def draw(shape: str, colour: str, rng: random.Random):
     return image
 
 
+def said(answer: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": answer}]}
+
+
 def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -> Path:
-    """The rows' .jsonl file (images/ beside it), built once per cache."""
+    """The chat rows' .jsonl file (images/ and the other formats' files beside it), built once per cache."""
     root = (cache or cache_root()) / f"shapes-v{VERSION}-{count}-{seed}"
     data = root / "shapes.jsonl"
     if data.is_file():
@@ -54,16 +63,20 @@ def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -
     rng = random.Random(seed)
     building = root.with_name(f"{root.name}.building-{os.getpid()}")  # runs started together each build their own
     (building / "images").mkdir(parents=True, exist_ok=True)
-    rows = []
+    files = {"shapes.jsonl": [], "pairs.jsonl": [], "prompts.jsonl": []}
     for i in range(count):
         shape, colour, asked = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(QUESTIONS))
         name = f"images/{i:05d}.png"
         draw(shape, colour, rng).save(building / name)
-        rows.append({"messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[asked]}]},
-            {"role": "assistant", "content": [{"type": "text", "text": colour if asked == "colour" else shape}]}],
-            "images": [name]})
-    (building / "shapes.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        answer, kind = (colour, list(COLOURS)) if asked == "colour" else (shape, SHAPES)
+        question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[asked]}]}]
+        files["shapes.jsonl"].append({"messages": [*question, said(answer)], "images": [name]})
+        wrong = rng.choice([word for word in kind if word != answer])
+        files["pairs.jsonl"].append({"prompt": question, "chosen": [said(answer)], "rejected": [said(wrong)],
+                                     "images": [name]})
+        files["prompts.jsonl"].append({"prompt": question, "answer": answer, "images": [name]})
+    for file, rows in files.items():
+        (building / file).write_text("".join(json.dumps(row) + "\n" for row in rows))
     try:
         building.rename(root)  # whole or not at all
     except OSError:  # another process finished first: its rows are these

@@ -37,6 +37,25 @@ def image_refs(row: dict) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+IMAGE_WORDS = ("image", "video", "vision", "boi", "eoi")  # in the names of a processor's image-token attributes
+
+
+def image_token_ids(processor) -> tuple[int, ...]:
+    """The ids of the tokens a processor writes around and for images
+    (`image_token_id`, Gemma 3's `boi_token`, Idefics3's `fake_image_token_id`, ...)."""
+    ids = set()
+    for name, value in vars(processor).items():
+        if not any(word in name for word in IMAGE_WORDS):
+            continue
+        if name.endswith("_token_id") and isinstance(value, int):
+            ids.add(value)
+        elif name.endswith("_token") and isinstance(value, str):
+            token = processor.tokenizer.convert_tokens_to_ids(value)
+            if isinstance(token, int) and token != processor.tokenizer.unk_token_id:
+                ids.add(token)
+    return tuple(sorted(ids))
+
+
 def _inside(path: Path, root: Path | None, where: str) -> Path:
     """A relative path read from the data names a file inside the data's dir,
     as a dataset card's files must (locations.py)."""
@@ -123,14 +142,22 @@ class Conversation:
 
 
 def conversation(row: dict, where: str) -> Conversation:
-    """The row as one conversation whose image parts match its images. A
-    row whose text names no image part gets its images at the start of its
-    first user turn, as TRL places them."""
+    """The row as one conversation whose image parts match its images, with an answer to learn."""
     if "messages" in row:
         messages = _messages(row["messages"], where)
     else:
         messages = _messages(row.get("prompt"), where) + _messages(row.get("completion"), where, "assistant")
-    images = image_refs(row)
+    talk = _with_images(messages, image_refs(row), where)
+    if not any(m["role"] == "assistant" and m["text"].strip() for m in messages):
+        raise UsageError(f"{where}: the conversation has no assistant answer, so there is nothing to learn; add "
+                         "the answer or drop the row")
+    return talk
+
+
+def _with_images(messages: list[dict], images: list, where: str) -> Conversation:
+    """The messages with image parts matching the row's images. Messages
+    whose text names no image part get the images at the start of the first
+    user turn, as TRL places them."""
     parts = sum(p["type"] == "image" for m in messages for p in m["content"])
     if parts == 0 and images:
         first_user = next((m for m in messages if m["role"] == "user"), None)
@@ -145,10 +172,17 @@ def conversation(row: dict, where: str) -> Conversation:
         if m["role"] == "assistant" and any(p["type"] == "image" for p in m["content"]):
             raise UsageError(f"{where}: an assistant turn holds an image, which a model does not write; move the "
                              "image into a user turn")
-    if not any(m["role"] == "assistant" and m["text"].strip() for m in messages):
-        raise UsageError(f"{where}: the conversation has no assistant answer, so there is nothing to learn; add "
-                         "the answer or drop the row")
     return Conversation(messages, images, where)
+
+
+def prompt_conversation(row: dict, where: str) -> list[Conversation]:
+    """A prompt-only row (GRPO's: a string or messages, with images) as the
+    conversation the model answers next."""
+    talk = _with_images(_messages(row.get("prompt"), where), image_refs(row), where)
+    if talk.messages[-1]["role"] == "assistant":
+        raise UsageError(f"{where}: the prompt ends with an assistant turn, and the model writes the next one; end "
+                         "it with a user turn, or drop the row")
+    return [talk]
 
 
 def pair_conversations(row: dict, where: str) -> list[Conversation]:
@@ -258,6 +292,38 @@ class VisionCollator:
         if length > self.block_size and image[self.block_size:].any():
             raise UsageError(f"{talk.where}: its images end past --block_size {self.block_size} (the row is {length} "
                              "tokens with them); raise --block_size, or shrink the images (--max_pixels)")
+
+
+class VisionPromptCollator:
+    """Prompts (with their images) -> a left-padded batch that generation
+    appends to: prompt ids and mask, the rows' numbers, and the processor's
+    image tensors; each prompt `copies` times in a row (a rollout's group)."""
+
+    talks = staticmethod(prompt_conversation)
+
+    def __init__(self, processor, room: int, root: Path | None, copies: int = 1):
+        self.processor, self.room, self.root, self.copies = processor, room, root, copies
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [row for row in rows for _ in range(self.copies)]
+        talks = [self.talks(row, f"example {row.get(EXAMPLE_NUMBER, i + 1)}")[0] for i, row in enumerate(rows)]
+        texts = [self.processor.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in t.messages],
+                                                    tokenize=False, add_generation_prompt=True) for t in talks]
+        images = [[open_image(ref, self.root, t.where) for ref in t.images] for t in talks]
+        try:
+            out = self.processor(text=texts, images=images if any(images) else None, padding=True,
+                                 padding_side="left", add_special_tokens=False, return_tensors="pt")
+        except ValueError as e:  # the processor's own checks (image sizes, token counts)
+            raise UsageError(f"{talks[0].where} (or another row of its batch): the processor refused it "
+                             f"({str(e).splitlines()[0][:160]}); fix the row or its images") from None
+        out = dict(out)
+        ids, mask = out.pop("input_ids"), out.pop("attention_mask")
+        for talk, length in zip(talks, mask.sum(1).tolist()):
+            if length > self.room:
+                raise UsageError(f"{talk.where}: its prompt is {length} tokens with its images, more than the "
+                                 f"{self.room} that --block_size leaves beside --max_completion_length; raise "
+                                 "--block_size, or shrink the images (--max_pixels)")
+        return {"prompt_ids": ids, "prompt_mask": mask, "row": torch.tensor([row["row"] for row in rows]), **out}
 
 
 class VisionPairCollator(VisionCollator):

@@ -217,6 +217,8 @@ class RolloutObjective(Objective):
     functions (rollouts.py); the objective says what a completion's advantage
     is and how its tokens' losses are reduced."""
     task_class = "finetune.objectives.rollouts:RolloutLM"
+    task_classes = {"image-text-to-text": "finetune.objectives.vision_rollouts:VisionRolloutLM"}
+    tasks = ("causal-lm", "image-text-to-text")
     data_format = "prompt"
     shared = (RolloutOptions, VLLMOptions, ReferenceOptions)
     learning_rates = {"full": 1e-6, "lora": 1e-5}  # TRL's GRPOConfig rate; its LoRA examples use 1e-5
@@ -278,6 +280,9 @@ class RolloutObjective(Objective):
             raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
         no_reference_model_under_adapters(cfg)
         check_vllm_options(cfg)
+        if cfg.task == "image-text-to-text" and "vllm" in (cfg.generation_engine, "vllm" if cfg.use_vllm else ""):
+            raise UsageError("--generation_engine vllm is given token ids alone, and --task image-text-to-text's "
+                             "prompts hold images; pass --generation_engine auto (a replica or the sharded model)")
 
     # --- the arithmetic rollouts.py asks for (torch tensors) --------------------------------------
 

@@ -26,11 +26,13 @@ class EngineChoice:
     why: str
 
 
-def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> EngineChoice:
+def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, model: torch.nn.Module,
+                  images: bool = False) -> EngineChoice:
     """The engine --generation_engine names, or `auto`'s pick, with the reason
     the start line gives; an engine that cannot run here (`replica` where a
     whole copy cannot fit at all, `vllm` without a vLLM for this device) is
-    refused in one line before it is built."""
+    refused in one line before it is built. `images`: the prompts hold
+    images, which only transformers' `generate` is given."""
     if requested == "vllm":
         return EngineChoice("vllm", vllm_engine.refusal_or_reason(accelerator, asked=True))
     whole, free = replica_bytes(accelerator, backend, model), least_free(accelerator)
@@ -40,7 +42,7 @@ def choose_engine(requested: str, accelerator: Accelerator, backend: Backend, mo
                          "(or auto)")
     if requested != "auto":
         return EngineChoice(requested, f"as asked; a whole copy would be {gigabytes(whole)}")
-    if accelerator.device.type == "cuda" and vllm_engine.installed():
+    if accelerator.device.type == "cuda" and vllm_engine.installed() and not images:
         return EngineChoice("vllm", vllm_engine.refusal_or_reason(accelerator, asked=False))
     if not backend.shards_parameters(accelerator):
         return EngineChoice("sharded", "each rank holds the whole model: nothing to gather")

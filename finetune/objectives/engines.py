@@ -46,6 +46,7 @@ class Sampling:
     eos_token_id: int
     pad_token_id: int
     greedy: bool = False
+    never: tuple[int, ...] = ()  # tokens never sampled (a VLM's image placeholders: a completion holds no image)
 
 
 @dataclass
@@ -70,16 +71,20 @@ class AsHeld:
         """The trained weights are about to move (an optimizer step): nothing to do, they are sampled from."""
 
     def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               sampling: Sampling) -> Sampled:
-        """Completions of left-padded prompts with transformers' `generate`, from the seeded torch RNG."""
+               sampling: Sampling, inputs: dict | None = None) -> Sampled:
+        """Completions of left-padded prompts with transformers' `generate`,
+        from the seeded torch RNG; `inputs`: what else the model reads of the
+        prompts (a vision-language model's pixels, image grids)."""
         generator, synced, around = self.generator(model)
         options = ({"do_sample": False} if sampling.greedy else
                    {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0})
+        if sampling.never:
+            options["suppress_tokens"] = list(sampling.never)
         with torch.no_grad(), around:
             out = generator.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                      max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
                                      pad_token_id=sampling.pad_token_id, eos_token_id=sampling.eos_token_id,
-                                     use_cache=True, synced_gpus=synced, **options)
+                                     use_cache=True, synced_gpus=synced, **options, **(inputs or {}))
         return Sampled(out[:, prompt_ids.size(1):])
 
     def generator(self, model: torch.nn.Module):

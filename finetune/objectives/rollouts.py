@@ -44,7 +44,7 @@ from finetune.objectives.engines import AsHeld, Sampled, Sampling
 from finetune.objectives.reference import WithReference, without_dropout
 from finetune.objectives.rewards import RewardFunction, load_reward_functions, score
 from finetune.tasks.base import LossSum, Scored, TaskData
-from finetune.tasks.causal_lm import CausalLM, model_inputs
+from finetune.tasks.causal_lm import CausalLM
 from finetune.tasks.lm_loss import IGNORE, completion_logits, full_logits_nll, next_token_targets
 from finetune import json_text
 
@@ -55,12 +55,14 @@ COMPLETIONS_FILE = "completions.jsonl"
 
 
 class PromptCollator:
-    """Left-pads a batch of prompts (generation appends to their right)."""
+    """Left-pads a batch of prompts (generation appends to their right), each
+    `copies` times in a row: a rollout's group of completions of one prompt."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, copies: int = 1):
+        self.pad_id, self.copies = pad_id, copies
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [row for row in rows for _ in range(self.copies)]
         width = max(len(r["prompt_ids"]) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -76,12 +78,16 @@ class Sampler:
     picked, with the run's sampling settings."""
 
     def __init__(self, engine: AsHeld, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, temperature: float,
-                 top_p: float):
+                 top_p: float, never: tuple[int, ...] = ()):
         self.engine = engine
-        self.settings = Sampling(max_new_tokens, temperature, top_p, tokenizer.eos_token_id, pad_id(tokenizer))
+        self.settings = Sampling(max_new_tokens, temperature, top_p, tokenizer.eos_token_id, pad_id(tokenizer),
+                                 never=never)
 
-    def sample(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, greedy: bool) -> Sampled:
-        return self.engine.sample(model, prompt_ids, prompt_mask, replace(self.settings, greedy=greedy))
+    def sample(self, model, prompts: dict, inputs: dict, greedy: bool) -> Sampled:
+        """`prompts`: a prompt batch (PromptCollator's); `inputs`: what else
+        the model reads of it (a vision-language model's pixels)."""
+        return self.engine.sample(model, prompts["prompt_ids"], prompts["prompt_mask"],
+                                  replace(self.settings, greedy=greedy), inputs)
 
 
 @contextmanager
@@ -126,10 +132,11 @@ class RolloutLM(WithReference, CausalLM):
             raise UsageError(backend.generation_refusal)
         self.accelerator, self.run_dir = accelerator, run_dir
         model, data = super().build(accelerator, backend, run_dir)
+        data.eval_collate = self._collate(data.data_format, data.tokenizer, copies=1)  # one greedy answer a prompt
         without_dropout(model)  # the sampling policy and the trained one are the same function
         self.tokenizer = data.tokenizer
         if self.frozen_reference() is not None:
-            self.reference = self.reference_model(data.tokenizer, model.config.vocab_size)
+            self.reference = self.reference_model(data.tokenizer, model.config.get_text_config().vocab_size)
         data.description += (f"; {self.cfg.num_generations} completions of up to {self.cfg.max_completion_length} "
                              f"tokens per prompt, rewarded by {', '.join(r.name for r in self.rewards)}")
         return model, data
@@ -137,10 +144,12 @@ class RolloutLM(WithReference, CausalLM):
     def prepared(self, accelerator: Accelerator, backend: Backend, model: torch.nn.Module) -> None:
         self.lay_out_reference(accelerator, backend)
         self.policy, self.backend = model, backend
-        engine = choose_engine("vllm" if self.cfg.use_vllm else self.cfg.generation_engine, accelerator, backend, model)
+        engine = choose_engine("vllm" if self.cfg.use_vllm else self.cfg.generation_engine, accelerator, backend, model,
+                               self.prompts_have_images)
         say(accelerator, f"generation: {engine.name} ({engine.why})")
         self.sampler = Sampler(engine_classes()[engine.name](accelerator, backend, self.cfg), self.tokenizer,
-                               self.cfg.max_completion_length, self.cfg.temperature, self.cfg.top_p)
+                               self.cfg.max_completion_length, self.cfg.temperature, self.cfg.top_p,
+                               self.never_sampled())
 
     def summary_facts(self) -> dict[str, Any]:
         return {**self.reference_facts(), "reward_funcs": [r.spec for r in self.rewards],
@@ -209,9 +218,33 @@ class RolloutLM(WithReference, CausalLM):
                              "the row or drop it")
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
-    @staticmethod
-    def _collate(data_format: str, tokenizer: PreTrainedTokenizerBase) -> Callable | None:
-        return PromptCollator(pad_id(tokenizer))
+    def _collate(self, data_format: str, tokenizer: PreTrainedTokenizerBase, copies: int = 0) -> Callable | None:
+        """Batches of prompts, each `copies` times (0: --num_generations, a training batch's groups)."""
+        return PromptCollator(pad_id(tokenizer), copies or self.cfg.num_generations)
+
+    # --- what a vision-language model's prompts add (vision_rollouts.py) ----------------------------
+
+    prompts_have_images = False
+
+    def never_sampled(self) -> tuple[int, ...]:
+        """Tokens a completion may not hold (a VLM's image placeholders)."""
+        return ()
+
+    def prompt_inputs(self, prompts: dict) -> dict:
+        """What the model reads of a prompt batch beside its ids and mask (a VLM's pixels)."""
+        return {}
+
+    def with_prompt_inputs(self, batch: dict, prompts: dict) -> dict:
+        """A completion batch (prompt + completion rows) with what the model reads of its prompts."""
+        return batch
+
+    def saved_batch(self, batch: dict) -> dict:
+        """What a checkpoint keeps of a completion batch: all of it (a VLM's
+        leaves its pixels out: `restored_batch` remakes them from the rows)."""
+        return batch
+
+    def restored_batch(self, batch: dict) -> dict:
+        return batch
 
     def held_out(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> Scored:
         raise UsageError("finetune evaluate scores perplexity; a GRPO run's held-out reward is in its summary.json "
@@ -223,16 +256,14 @@ class RolloutLM(WithReference, CausalLM):
         """The step's micro-batches of completions: sampled, scored, with their
         advantages (and the sampling policy's and the reference's log-probs where
         the loss needs them)."""
-        acc, cfg, groups = self.accelerator, self.cfg, self.cfg.num_generations
+        acc, cfg = self.accelerator, self.cfg
         model = self.policy
         was_training = model.training
         model.eval()
         started = time.perf_counter()
         self.sampler.engine.take_seconds()
         with seeded(cfg.seed * 1_000_003 + number * 7919 + acc.process_index, acc.device):
-            sampled = [self.sampler.sample(model, b["prompt_ids"].repeat_interleave(groups, 0),
-                                           b["prompt_mask"].repeat_interleave(groups, 0), greedy=False)
-                       for b in prompt_batches]
+            sampled = [self.sampler.sample(model, b, self.prompt_inputs(b), greedy=False) for b in prompt_batches]
         model.train(was_training)
         engine_metrics = {"rollout_time": time.perf_counter() - started, "weight_sync_time": self.sampler.engine.take_seconds()}
         batches = [self._completion_batch(b, out) for b, out in zip(prompt_batches, sampled)]
@@ -312,10 +343,8 @@ class RolloutLM(WithReference, CausalLM):
         trainer's are (position t scores token t + 1)."""
         completion_ids = sampled.ids
         cfg, eos, pad = self.cfg, self.tokenizer.eos_token_id, pad_id(self.tokenizer)
-        groups = cfg.num_generations
-        prompt_ids = prompts["prompt_ids"].repeat_interleave(groups, 0).cpu()
-        prompt_mask = prompts["prompt_mask"].repeat_interleave(groups, 0).cpu()
-        rows = prompts["row"].repeat_interleave(groups, 0).tolist()
+        prompt_ids, prompt_mask = prompts["prompt_ids"].cpu(), prompts["prompt_mask"].cpu()
+        rows = prompts["row"].tolist()
         sequences, labels, kept, truncated = [], [], [], []
         for p_ids, p_mask, c_ids in zip(prompt_ids, prompt_mask, completion_ids.cpu()):
             prompt = p_ids[p_mask.bool()].tolist()
@@ -339,7 +368,7 @@ class RolloutLM(WithReference, CausalLM):
                 start = int(p_mask.sum()) - 1
                 placed[i, start:start + len(completion)] = sampled.logps[i, :len(completion)].cpu()
             batch["_engine_logps"] = placed
-        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        batch = {k: v.to(self.accelerator.device) for k, v in self.with_prompt_inputs(batch, prompts).items()}
         batch["_rewards"] = torch.tensor(self._score(rows, kept), dtype=torch.float32)
         return batch
 
@@ -347,9 +376,13 @@ class RolloutLM(WithReference, CausalLM):
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         values = [self.rows[r] for r in rows]
-        columns = {k: [v[k] for v in values] for k in values[0] if k != "prompt"}
+        columns = self.reward_columns(values)
         return score(self.rewards, [v["prompt"] for v in values], completions, completion_ids, columns,
                      self.cfg.reward_timeout)
+
+    def reward_columns(self, values: list[dict]) -> dict[str, list]:
+        """The rows' columns but the prompt, by name, as reward functions get them (TRL's keyword arguments)."""
+        return {k: [v[k] for v in values] for k in values[0] if k != "prompt"}
 
     def _rollout_metrics(self, everyone: torch.Tensor, advantages: grpo_loss.Advantages, lengths: torch.Tensor,
                          truncated: torch.Tensor) -> dict[str, float]:
@@ -398,7 +431,7 @@ class RolloutLM(WithReference, CausalLM):
         completion token on (the prompts cost no [tokens, vocab] scores, as in
         TRL), at the sampling temperature (TRL's: the distribution sampled from)."""
         targets = next_token_targets(batch["labels"])
-        logits, kept = completion_logits(model, model_inputs(model, batch), targets)
+        logits, kept = completion_logits(model, self.inputs(model, batch), targets)
         if self.cfg.temperature != 1.0:
             logits = logits / self.cfg.temperature
         logps = -full_logits_nll(logits, kept)
@@ -457,7 +490,7 @@ class RolloutLM(WithReference, CausalLM):
         for i, batch in enumerate(loader):
             if self.cfg.max_eval_batches and i >= self.cfg.max_eval_batches:
                 break
-            ids = self.sampler.sample(model, batch["prompt_ids"], batch["prompt_mask"], greedy=True).ids
+            ids = self.sampler.sample(model, batch, self.prompt_inputs(batch), greedy=True).ids
             completions = [self._until_end(c) for c in ids.cpu()]
             table = torch.tensor(self._score(batch["row"].tolist(), completions), dtype=torch.float64)
             total = (table * self.weights.double()).nansum(dim=1)
@@ -513,7 +546,7 @@ class RolloutBatches:
         rank's: a collective), so that a resume trains on the same samples."""
         everyone = []
         if self.uses_left:
-            kept = [{k: v.tolist() for k, v in b.items()} for b in self.buffer]
+            kept = [{k: v.tolist() for k, v in self.task.saved_batch(b).items()} for b in self.buffer]
             everyone = [kept] * self.task.accelerator.num_processes
             if len(everyone) > 1:
                 torch.distributed.all_gather_object(everyone, kept)
@@ -548,12 +581,13 @@ class RolloutBatches:
         if problem:
             raise UsageError(f"the checkpoint's saved rollout is not one the run made ({problem}); the checkpoint "
                              "is damaged: resume from an earlier one (--resume_from_checkpoint)")
+        self.buffer = [self.task.restored_batch(b) for b in self.buffer]
 
     def _rollout_problem(self, batches: list[dict]) -> str | None:
         """What makes saved micro-batches unlike any rollout: keys, shapes, token ids, rows."""
         if not batches:
             return "no micro-batch"
-        vocab = self.task.accelerator.unwrap_model(self.task.policy).config.vocab_size
+        vocab = self.task.accelerator.unwrap_model(self.task.policy).config.get_text_config().vocab_size
         needed = {"input_ids", "labels", "attention_mask", "advantages", "completion_length", "row"}
         needed |= {"old_logps"} if self.iterations > 1 else set()
         needed |= {"reference_logps"} if self.task.cfg.beta > 0 else set()

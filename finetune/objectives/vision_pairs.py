@@ -13,3 +13,5 @@ from finetune.tasks.vision_language import VisionLanguageLM
 class VisionPreferenceLM(PreferenceLM, VisionLanguageLM):
     formats = ("preference",)
     collator = VisionPairCollator
+    rows_are = "pairs"
+    builtin = "pairs.jsonl"

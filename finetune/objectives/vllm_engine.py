@@ -82,8 +82,10 @@ class VLLMColocate(AsHeld):
             self.weights_asleep = True
 
     def sample(self, model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-               sampling: Sampling) -> Sampled:
+               sampling: Sampling, inputs: dict | None = None) -> Sampled:
         from vllm import SamplingParams
+
+        assert not inputs, "choose_engine never picks vLLM for prompts with images"
 
         policy = self.accelerator.unwrap_model(model)
         if self.llm is None:

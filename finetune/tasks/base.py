@@ -41,6 +41,7 @@ class TaskData:
     tokenizer: PreTrainedTokenizerBase | None  # saved with the model (text only)
     description: str                            # "1437 train / 360 validation images of 28x28"
     collate: Callable | None = None             # batches rows of different lengths (None: the default collate)
+    eval_collate: Callable | None = None        # the held-out rows' batches, where they differ (None: collate's)
     data_format: str | None = None              # text, chat, instruction, prompt_completion or mixture (text tasks)
     stream: "RowStream | None" = None           # --streaming: this rank's training rows
     source_names: list[str] | None = None       # what the rows' per-source counts count (mixtures, streams)

@@ -114,6 +114,10 @@ class VisionLanguageLM(CausalLM):
     batch_size_options = "--per_device_batch_size"
     formats: tuple[str, ...] = IMAGE_FORMATS  # the data formats it trains on
     collator = VisionCollator                 # what makes its batches of rows
+    rows_are = "conversations"                # what a row is, in the data's description
+    builtin = "shapes.jsonl"                  # the embedded default's file, in this format (data/shapes.py)
+    processor = None                          # the model's (load_processor), once built
+    image_root: Path | None = None            # where the rows' image paths start
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         cfg = self.cfg
@@ -126,24 +130,33 @@ class VisionLanguageLM(CausalLM):
         # features come from a hidden layer): DDP must not wait for their gradients.
         if accelerator.ddp_handler is None:
             accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
-        processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
-        resize_images(processor, cfg)
+        self.processor, self.image_root = self._processor(), root
         model = self._pretrained_weights(accelerator, from_main)
         self._check_block_size(model)
         frozen = freeze_parts(model, cfg)
         model = self._made_trainable(model, accelerator, from_main)
         self._loaded(accelerator, backend, model, from_main)
-        collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
         if frozen:
             description += f"; frozen: {', '.join(frozen)}"
-        return model, TaskData(splits["train"], splits["validation"], processor.tokenizer, description,
-                               collate=collate, data_format=data_format, processor=processor)
+        tokenizer = self.processor.tokenizer
+        return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
+                               collate=self._collate(data_format, tokenizer), data_format=data_format,
+                               processor=self.processor)
+
+    def _processor(self):
+        processor = load_processor(self.model_source, self.cfg.model, self.cfg.trust_remote_code)
+        resize_images(processor, self.cfg)
+        return processor
+
+    def _collate(self, data_format: str, tokenizer) -> VisionCollator:
+        return self.collator(VisionChatEncoder(self.processor, self.cfg.train_on_prompt), self.cfg.block_size,
+                             self.image_root)
 
     def _rows(self) -> tuple[DatasetDict, Path | None, str, str]:
         """The splits (rows as stored, images not decoded), the dir image paths
         start from, what they hold, and their format; every row and image checked."""
         cfg = self.cfg
-        dataset = str(build_shapes()) if cfg.dataset == "builtin" else cfg.dataset
+        dataset = str(build_shapes().with_name(self.builtin)) if cfg.dataset == "builtin" else cfg.dataset
         raw, data_format = load_raw_data(dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
                                          config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          objective=cfg.objective)
@@ -155,7 +168,7 @@ class VisionLanguageLM(CausalLM):
         root = data_root(dataset)
         images = {name: check_rows(split, root, f"--dataset {cfg.dataset}", self.collator.talks)
                   for name, split in raw.items()}
-        description = (f"{len(raw['train'])} train / {len(raw['validation'])} validation conversations with "
+        description = (f"{len(raw['train'])} train / {len(raw['validation'])} validation {self.rows_are} with "
                        f"{images['train']} / {images['validation']} images")
         return raw, root, description, data_format
 
@@ -173,9 +186,6 @@ class VisionLanguageLM(CausalLM):
         return Scores(nll, nll.sum(), targets != IGNORE, batch["attention_mask"].sum())
 
     def held_out(self, model: PreTrainedModel, tokenizer) -> Scored:
-        cfg = self.cfg
-        splits, root, _, _ = self._rows()
-        processor = load_processor(self.model_source, cfg.model, cfg.trust_remote_code)
-        resize_images(processor, cfg)
-        collate = self.collator(VisionChatEncoder(processor, cfg.train_on_prompt), cfg.block_size, root)
-        return Scored(splits["validation"], collate, len(splits["validation"]))
+        splits, self.image_root, _, data_format = self._rows()
+        self.processor = self._processor()
+        return Scored(splits["validation"], self._collate(data_format, tokenizer), len(splits["validation"]))

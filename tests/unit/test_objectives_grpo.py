@@ -18,7 +18,7 @@ from finetune.config import TrainConfig
 from finetune.errors import UsageError
 from finetune.objectives import grpo_loss
 from finetune.objectives.engines import Sampled
-from finetune.objectives.rollouts import RolloutLM
+from finetune.objectives.rollouts import PromptCollator, RolloutLM
 from tests.sft_models import chat_tokenizer, conversations
 
 GROUPS = 4
@@ -66,11 +66,6 @@ def fixed_rollout(task: RolloutLM, tokenizer, seed: int):
     prompts = [tokenizer("what is the answer", add_special_tokens=False)["input_ids"],
                tokenizer("name it", add_special_tokens=False)["input_ids"]]
     task.rows = [{"prompt": "what is the answer", "answer": "blue"}, {"prompt": "name it", "answer": "sky"}]
-    width = max(map(len, prompts))
-    prompt_ids = torch.full((2, width), tokenizer.pad_token_id)
-    prompt_mask = torch.zeros((2, width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        prompt_ids[i, width - len(p):], prompt_mask[i, width - len(p):] = torch.tensor(p), 1
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     completions, texts = [], []
     for i in range(2 * GROUPS):
@@ -82,7 +77,8 @@ def fixed_rollout(task: RolloutLM, tokenizer, seed: int):
             ids = ids if length == COMPLETION_LENGTH else ids[:-1] + [eos]
         texts.append(ids)
         completions.append(ids + [pad] * (COMPLETION_LENGTH - len(ids)))
-    prompt_batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "row": torch.tensor([0, 1])}
+    # Each prompt GROUPS times in a row, as the training loader's collator gives them.
+    prompt_batch = PromptCollator(pad, GROUPS)([{"prompt_ids": p, "row": i} for i, p in enumerate(prompts)])
     return prompts, texts, prompt_batch, torch.tensor(completions)
 
 
@@ -135,7 +131,7 @@ def independent(model, prompts, completions, rewards, loss_type, epsilon, beta, 
 def ours(task, model, prompt_batch, completions, old_model=None, reference=None):
     """The rows, advantages and loss as a step computes them, the two prompts'
     groups as two micro-batches."""
-    halves = [{k: v[i:i + 1] for k, v in prompt_batch.items()} for i in range(2)]
+    halves = [{k: v[i * GROUPS:(i + 1) * GROUPS] for k, v in prompt_batch.items()} for i in range(2)]
     batches = [task._completion_batch(h, Sampled(completions[i * GROUPS:(i + 1) * GROUPS])) for i, h in enumerate(halves)]
     per_function = torch.cat([b.pop("_rewards") for b in batches])
     adv = grpo_loss.group_advantages(per_function, task.weights, GROUPS, task.cfg.scale_rewards)
@@ -218,7 +214,7 @@ def test_a_sample_of_completions_goes_to_completions_jsonl_and_the_trackers_with
     tracker = SimpleNamespace(log_table=lambda name, columns, data, step: tables.append((name, columns, data, step)))
     task.accelerator = SimpleNamespace(device=torch.device("cpu"), trackers=[tracker, SimpleNamespace()])
     task.run_dir = tmp_path
-    batch = task._completion_batch({k: v[:1] for k, v in prompt_batch.items()}, Sampled(completions[:GROUPS]))
+    batch = task._completion_batch({k: v[:GROUPS] for k, v in prompt_batch.items()}, Sampled(completions[:GROUPS]))
     rewards = batch.pop("_rewards")
     task._log_completions(batch, rewards, torch.arange(GROUPS, dtype=torch.float32), number=3)
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
@@ -236,7 +232,7 @@ def _resuming(tmp_path, rollout: dict, num_iterations: int = 2):
 
     task = SimpleNamespace(
         cfg=SimpleNamespace(num_iterations=num_iterations, beta=0.0), rows=[{"prompt": "p"}] * 3, run_dir=tmp_path,
-        rollout_metrics={}, policy=SimpleNamespace(config=SimpleNamespace(vocab_size=10)),
+        rollout_metrics={}, policy=SimpleNamespace(config=LlamaConfig(vocab_size=10)), restored_batch=lambda b: b,
         accelerator=SimpleNamespace(is_main_process=True, num_processes=1, process_index=0, device="cpu",
                                     unwrap_model=lambda model: model))
     batches = RolloutBatches(SimpleNamespace(load_state_dict=lambda state: None), task)

@@ -41,7 +41,7 @@ def our_step(task: RolloutLM, model, prompt_batch, completions, old_model=None, 
     """The rollout's rows, advantages (the KL taken from the rewards for RLOO)
     and loss as a step computes them, the two prompts' groups as two micro-batches."""
     cfg = task.cfg
-    halves = [{k: v[i:i + 1] for k, v in prompt_batch.items()} for i in range(2)]
+    halves = [{k: v[i * GROUPS:(i + 1) * GROUPS] for k, v in prompt_batch.items()} for i in range(2)]
     batches = [task._completion_batch(h, Sampled(completions[i * GROUPS:(i + 1) * GROUPS])) for i, h in enumerate(halves)]
     per_function = torch.cat([b.pop("_rewards") for b in batches])
     penalty = None
@@ -117,8 +117,7 @@ def trl_inputs(prompt_batch, completions, tokenizer, advantages: torch.Tensor) -
     mask = torch.zeros_like(completions)
     for i, row in enumerate(completions.tolist()):
         mask[i, :row.index(eos) + 1 if eos in row else len(row)] = 1
-    return {"prompt_ids": prompt_batch["prompt_ids"].repeat_interleave(GROUPS, 0),
-            "prompt_mask": prompt_batch["prompt_mask"].repeat_interleave(GROUPS, 0),
+    return {"prompt_ids": prompt_batch["prompt_ids"], "prompt_mask": prompt_batch["prompt_mask"],
             "completion_ids": completions, "completion_mask": mask, "advantages": advantages.float()}
 
 
@@ -142,8 +141,8 @@ def test_the_loss_equals_trls_trainer_on_the_same_completions(tokenizer, model, 
                            else {"beta": 0.0}))
     _, _, prompt_batch, completions = fixed_rollout(task, tokenizer, seed=1)
     # Both groups of the first prompt: TRL scores left-padded prompts at shifted positions, so none is padded.
-    prompt_batch = {**prompt_batch, "prompt_ids": prompt_batch["prompt_ids"][[0, 0]],
-                    "prompt_mask": prompt_batch["prompt_mask"][[0, 0]]}
+    prompt_batch = {**prompt_batch, "prompt_ids": prompt_batch["prompt_ids"][[0] * 2 * GROUPS],
+                    "prompt_mask": prompt_batch["prompt_mask"][[0] * 2 * GROUPS]}
     old_model = moved(model, 2.0, seed=5)
     got = our_step(task, model, prompt_batch, completions, old_model)
     common = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=2 * GROUPS,
