@@ -60,7 +60,7 @@ def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -
     data = root / "shapes.jsonl"
     if data.is_file():
         return data
-    rng = random.Random(seed)
+    rng, wrongs = random.Random(seed), random.Random(seed + 1)  # the pairs' draws leave the drawings' alone
     building = root.with_name(f"{root.name}.building-{os.getpid()}")  # runs started together each build their own
     (building / "images").mkdir(parents=True, exist_ok=True)
     files = {"shapes.jsonl": [], "pairs.jsonl": [], "prompts.jsonl": []}
@@ -71,7 +71,7 @@ def build_shapes(count: int = COUNT, seed: int = 0, cache: Path | None = None) -
         answer, kind = (colour, list(COLOURS)) if asked == "colour" else (shape, SHAPES)
         question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[asked]}]}]
         files["shapes.jsonl"].append({"messages": [*question, said(answer)], "images": [name]})
-        wrong = rng.choice([word for word in kind if word != answer])
+        wrong = wrongs.choice([word for word in kind if word != answer])
         files["pairs.jsonl"].append({"prompt": question, "chosen": [said(answer)], "rejected": [said(wrong)],
                                      "images": [name]})
         files["prompts.jsonl"].append({"prompt": question, "answer": answer, "images": [name]})

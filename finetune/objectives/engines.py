@@ -158,7 +158,9 @@ def empty_like(policy: torch.nn.Module) -> torch.nn.Module:
     adapted = hasattr(policy, "peft_config")
     base = policy.get_base_model() if adapted else policy
     cls = original_class(base)
-    with init_empty_weights():
+    # Some models draw from the RNG as they are built (vision towers' extra parameters): the
+    # replica is first built inside a rollout's seeded sampling, whose draws must not move.
+    with torch.random.fork_rng(devices=[]), init_empty_weights():
         model = cls(copy.deepcopy(base.config))
         if adapted:
             from peft import get_peft_model

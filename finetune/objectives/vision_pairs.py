@@ -15,3 +15,4 @@ class VisionPreferenceLM(PreferenceLM, VisionLanguageLM):
     collator = VisionPairCollator
     rows_are = "pairs"
     builtin = "pairs.jsonl"
+    _collate = VisionLanguageLM._collate  # the processor's batches, not PreferenceLM's of token ids
