@@ -279,10 +279,10 @@ class RolloutObjective(Objective):
         if not all(math.isfinite(w) for w in cfg.reward_weights):
             raise UsageError("--reward_weights must be finite numbers; pass e.g. 1.0 0.5")
         no_reference_model_under_adapters(cfg)
-        check_vllm_options(cfg)
         if cfg.task == "image-text-to-text" and "vllm" in (cfg.generation_engine, "vllm" if cfg.use_vllm else ""):
             raise UsageError("--generation_engine vllm is given token ids alone, and --task image-text-to-text's "
                              "prompts hold images; pass --generation_engine auto (a replica or the sharded model)")
+        check_vllm_options(cfg)
 
     # --- the arithmetic rollouts.py asks for (torch tensors) --------------------------------------
 

@@ -342,6 +342,9 @@ CASES = {
                               "--packing is not built for rows with images"),
     "a text model for the vision task": (lambda t: [*_vlm_rows(t, ["red.png"]), *_chat_model(t)],
                                          "has no image processor: it reads text alone"),
+    "vLLM's engine for prompts with images": (
+        lambda t: ["--task", "image-text-to-text", "--method", "grpo", "--reward_funcs", "exact_match",
+                   "--generation_engine", "vllm"], "prompts hold images; pass --generation_engine auto"),
     "a reward model on a preset built from scratch": (lambda t: ["--method", "reward"],
                                                       "--method reward puts a score head on a pretrained"),
 }
