@@ -1,13 +1,17 @@
 """Tiny random-weight vision-language models of four families, saved as HF
 model dirs with their processors (a ChatML template that renders image parts,
-the family's image tokens and image processor), for the vision tests. Qwen-VL's
-processors need torchvision, which has no CPU build here: the families built
-are LLaVA, Idefics3 (SmolVLM's architecture) and Gemma 3."""
+the family's image tokens and image processor), for the vision tests: LLaVA,
+Idefics3 (SmolVLM's architecture), Gemma 3 and Qwen2.5-VL. Qwen-VL's
+processors need torchvision (for video frames), which has no build for this
+project's CPU torch: its tests run where torchvision is installed
+(`WITH_QWEN`), and are skipped elsewhere."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as T
 
@@ -15,10 +19,16 @@ from finetune.data.shapes import COLOURS, QUESTIONS, SHAPES
 from sft_models import chat_tokenizer, conversations
 
 FAMILIES = ("llava", "idefics3", "gemma3")
+# Qwen2.5-VL where torchvision is installed (skipped, and saying why, where it is not).
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+needs_torchvision = pytest.mark.skipif(not HAS_TORCHVISION, reason="Qwen-VL's processor needs torchvision")
+WITH_QWEN = (*FAMILIES, pytest.param("qwen2_5_vl", marks=needs_torchvision))
 # What each family's template writes for an image part (its processor expands it).
-PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "gemma3": "<start_of_image>"}
+PLACEHOLDERS = {"llava": "<image>", "idefics3": "<image>", "gemma3": "<start_of_image>",
+                "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 IMAGE_TOKENS = {"llava": ["<image>"], "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>"],
-                "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]}
+                "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+                "qwen2_5_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]}
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -39,8 +49,13 @@ def vlm_tokenizer(family: str):
     texts += [*QUESTIONS.values(), *COLOURS, *SHAPES] * 20
     tok = chat_tokenizer(texts)
     tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS[family]})
-    if family == "gemma3":  # Gemma 3's processor reads its image tokens by name from the tokenizer
+    named = {}  # the image tokens a family's processor reads by name from the tokenizer
+    if family == "gemma3":
         named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    elif family == "qwen2_5_vl":
+        named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                 "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
+    if named:
         tok = T.PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, bos_token=tok.bos_token,
                                         eos_token=tok.eos_token, pad_token=tok.pad_token, unk_token=tok.unk_token,
                                         extra_special_tokens=named)
@@ -79,6 +94,18 @@ def vlm_parts(family: str, width: int = 32, layers: int = 2):
                                 vision_config=dict(**VISION, image_size=28, patch_size=7), mm_tokens_per_image=4,
                                 image_token_index=token("<image_soft_token>"), boi_token_index=token("<start_of_image>"),
                                 eoi_token_index=token("<end_of_image>"), **ids)
+    elif family == "qwen2_5_vl":  # 56-pixel images: 2x2 tokens of 2x2 merged 14-pixel patches
+        images = T.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2)
+        processor = T.Qwen2_5_VLProcessor(image_processor=images, tokenizer=tok, chat_template=chat,
+                                          video_processor=T.Qwen2VLVideoProcessor())
+        rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}  # the head's 4 rotary pairs: time, height, width
+        config = T.Qwen2_5_VLConfig(
+            text_config=dict(**TEXT, **ids, rope_parameters=rope),
+            vision_config=dict(depth=layers, hidden_size=width, intermediate_size=2 * width, num_heads=4,
+                               out_hidden_size=width, patch_size=14, spatial_merge_size=2, fullatt_block_indexes=[1],
+                               window_size=56),
+            image_token_id=token("<|image_pad|>"), video_token_id=token("<|video_pad|>"),
+            vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"), **ids)
     else:
         raise ValueError(family)
     return config, processor

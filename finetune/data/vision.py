@@ -7,7 +7,8 @@ read), but decoded only when a batch is made, in the data workers. The
 model's own processor renders each conversation with its chat template,
 resizes the images and expands each image part into the family's image
 tokens. Labels fall on the answers only (found as for text chat, chat.py) and
-never on a token of an expanded image, whatever --train_on_prompt says.
+never on a token of an expanded image or one that marks images (Qwen-VL's
+`<|vision_start|>`), whatever --train_on_prompt says.
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ def image_refs(row: dict) -> list:
 
 
 IMAGE_WORDS = ("image", "video", "vision", "boi", "eoi")  # in the names of a processor's image-token attributes
+MARKER_WORDS = ("image", "vision", "video", "img")        # in the text of the tokens that mark images
 
 
 def image_token_ids(processor) -> tuple[int, ...]:
-    """The ids of the tokens a processor writes around and for images
-    (`image_token_id`, Gemma 3's `boi_token`, Idefics3's `fake_image_token_id`, ...)."""
-    ids = set()
+    """The ids of the tokens that stand for or mark images: those the
+    processor names (`image_token_id`, Gemma 3's `boi_token`, Idefics3's
+    `fake_image_token_id`, ...) and the added tokens named for images
+    (Qwen-VL's `<|vision_start|>`, which its chat template writes)."""
+    ids = {i for token, i in processor.tokenizer.get_added_vocab().items()
+           if any(word in token.lower() for word in MARKER_WORDS)}
     for name, value in vars(processor).items():
         if not any(word in name for word in IMAGE_WORDS):
             continue
@@ -251,6 +256,7 @@ class VisionCollator:
 
     def __init__(self, encoder: VisionChatEncoder, block_size: int, root: Path | None):
         self.encoder, self.block_size, self.root = encoder, block_size, root
+        self.markers = torch.tensor(image_token_ids(encoder.processor), dtype=torch.long)
 
     talks = staticmethod(one_conversation)  # the conversations one row puts in a batch
 
@@ -274,7 +280,7 @@ class VisionCollator:
         ids, real = out["input_ids"], out["attention_mask"].bool()
         labels = torch.full_like(ids, IGNORE)
         for i, (talk, (_, spans)) in enumerate(zip(talks, rendered)):
-            image = torch.tensor(image_token_mask(offsets[i], replacements[i]))
+            image = torch.tensor(image_token_mask(offsets[i], replacements[i])) | torch.isin(ids[i], self.markers)
             learn = real[i] & ~image
             if not encoder.train_on_prompt:
                 learn &= torch.tensor(answer_mask(offsets[i], spans, replacements[i]))

@@ -17,9 +17,12 @@ from conftest import (check_ok, eval_rows, launches, made_once, run_cli, run_cli
                       stopped_by_sigterm, train_rows)
 from finetune.data.shapes import build_shapes
 from finetune.data.shapes import COLOURS
-from vlm_models import FAMILIES, greedy_accuracy, save_vlm_model, shape_pairs
+from vlm_models import FAMILIES, HAS_TORCHVISION, greedy_accuracy, needs_torchvision, save_vlm_model, shape_pairs
 
-STEPS = {"llava": 60, "idefics3": 16, "gemma3": 16}  # LLaVA long enough to learn colours; the others to move
+# The families trained sharded: Qwen2.5-VL too where torchvision is installed.
+TRAINED = (*FAMILIES, *(("qwen2_5_vl",) if HAS_TORCHVISION else ()))
+
+STEPS = {"llava": 60, "idefics3": 16, "gemma3": 16, "qwen2_5_vl": 16}  # LLaVA long enough to learn colours; the others to move
 # Resumed exactly after SIGTERM: 8 of an epoch's 28 steps, fp32, the images decoded in a data worker.
 # GRPO on the shapes' colour questions, rewarded for the letters of the image's colour: dense, so a
 # tiny model learns it in a few dozen steps. The reward functions get the images decoded.
@@ -43,14 +46,14 @@ RESUMED = ["--max_steps", "8", "--checkpoint_every", "2", "--per_device_batch_si
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory, worker_id) -> Path:
     return made_once(tmp_path_factory, worker_id, "vlm-models",
-                     lambda root: [save_vlm_model(root / family, family) for family in FAMILIES])
+                     lambda root: [save_vlm_model(root / family, family) for family in TRAINED])
 
 
 @pytest.fixture(scope="module")
 @launches
 def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vision-runs")
-    runs = {name: root / name for name in (*FAMILIES, "llava-ddp", "llava-straight", "llava-lora", "dpo", "dpo-lora",
+    runs = {name: root / name for name in (*TRAINED, "llava-ddp", "llava-straight", "llava-lora", "dpo", "dpo-lora",
                                            "grpo", "grpo-lora", "grpo-straight")}
     shapes = build_shapes(cache=root)
     pairs = shape_pairs(shapes)
@@ -65,7 +68,7 @@ def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
     procs = run_cli_together([
         *((train + [vlms / family, "--output_dir", runs[family], "--max_steps", STEPS[family], "--eval_every",
                     STEPS[family], "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256",
-                    "--log_format", "plain"], {}) for family in FAMILIES),
+                    "--log_format", "plain"], {}) for family in TRAINED),
         (train + [vlms / "llava", "--output_dir", runs["llava-ddp"], "--max_steps", "12", "--eval_every", "12",
                   "--per_device_batch_size", "8", "--learning_rate", "3e-3", "--block_size", "256"],
          {"config": "ddp.yaml"}),
@@ -76,8 +79,10 @@ def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
         (train + [vlms / "llava", "--output_dir", runs["dpo-lora"], *dpo, "--learning_rate", "3e-2", "--peft", "lora"],
          {}),
         (train + [vlms / "llava", "--output_dir", runs["grpo"], *grpo, "--learning_rate", "2e-2"], {}),
-        (train + [vlms / "llava", "--output_dir", runs["grpo-lora"], *grpo, "--learning_rate", "1e-1", "--peft", "lora"],
-         {}),
+        # The output layer adapted too: sampled words move there first (all-linear leaves it out).
+        (train + [vlms / "llava", "--output_dir", runs["grpo-lora"], *grpo, "--learning_rate", "5e-2", "--peft", "lora",
+                  "--lora_target_modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,linear_1,"
+                  "linear_2"], {}),
         (train + [vlms / "gemma3", "--output_dir", runs["grpo-straight"], *GRPO_RESUMED(colours, root)],
          {"mixed_precision": "no"})], env)
     for proc in procs:
@@ -107,24 +112,33 @@ def test_each_family_trains_sharded_and_exports_to_the_same_logits(vision_runs, 
     """Every family's weights were split over the ranks, its held-out answer
     loss fell, and final/ and an export of the last checkpoint are the same
     model to transformers (its Auto class and processor)."""
+    for family in FAMILIES:
+        _trained_sharded_and_exported(vision_runs[family], family, tmp_path)
+
+
+@needs_torchvision
+def test_qwen_vl_trains_sharded_and_exports_to_the_same_logits(vision_runs, tmp_path):
+    """Qwen2.5-VL: its images as flattened patches with their grids, its 3-D rotary positions."""
+    _trained_sharded_and_exported(vision_runs["qwen2_5_vl"], "qwen2_5_vl", tmp_path)
+
+
+def _trained_sharded_and_exported(run: Path, family: str, tmp_path: Path) -> None:
     fresh = build_shapes(count=4, seed=1, cache=tmp_path)
     rows = [json.loads(line) for line in fresh.read_text().splitlines()]
-    for family in FAMILIES:
-        run = vision_runs[family]
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["distributed_type"] == "FSDP" and len(summary["local_params_per_rank"]) == 2
-        assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"]), family
-        first, last = eval_rows(run)[0], eval_rows(run)[-1]
-        assert last["eval_loss"] < first["eval_loss"] - 0.3, (family, first, last)
-        exported = tmp_path / f"{family}-export"
-        check_ok(run_in_process("export", run, "--output", exported))
-        logits = []
-        for model_dir in (run / "final", exported):
-            processor = AutoProcessor.from_pretrained(model_dir)
-            model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-            with torch.no_grad():
-                logits.append(model(**_batch(processor, rows, fresh.parent)).logits)
-        torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["distributed_type"] == "FSDP" and len(summary["local_params_per_rank"]) == 2
+    assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"]), family
+    first, last = eval_rows(run)[0], eval_rows(run)[-1]
+    assert last["eval_loss"] < first["eval_loss"] - 0.3, (family, first, last)
+    exported = tmp_path / f"{family}-export"
+    check_ok(run_in_process("export", run, "--output", exported))
+    logits = []
+    for model_dir in (run / "final", exported):
+        processor = AutoProcessor.from_pretrained(model_dir)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            logits.append(model(**_batch(processor, rows, fresh.parent)).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
 
 
 def test_answers_about_new_images_beat_the_base_model(vision_runs, vlms, tmp_path):
@@ -206,11 +220,10 @@ def test_grpo_on_prompts_with_images_learns_sharded_with_every_weight_and_with_l
     summary = json.loads((vision_runs[run] / "summary.json").read_text())
     assert summary["method"] == "grpo" and summary["distributed_type"] == "FSDP"
     assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"])
-    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.1, (summary["first_eval"],
+    assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.2, (summary["first_eval"],
                                                                                       summary["last_eval"])
-    if run == "grpo":  # every weight: the sampled answers' reward rises too
-        rewards = [row["reward"] for row in train_rows(vision_runs[run])]
-        assert sum(rewards[-4:]) > sum(rewards[:4]) + 4 * 0.2, [round(r, 2) for r in rewards]
+    rewards = [row["reward"] for row in train_rows(vision_runs[run])]  # of the sampled answers
+    assert sum(rewards[-4:]) > sum(rewards[:4]) + 4 * 0.2, [round(r, 2) for r in rewards]
 
 
 def test_grpo_on_images_resumed_in_the_middle_of_a_rollout_takes_the_same_steps(vision_runs, vlms, tmp_path, env):
