@@ -117,8 +117,9 @@ class Replica(AsHeld):
     def refresh(self, model: torch.nn.Module) -> None:
         policy = self.accelerator.unwrap_model(model)
         first = self.copy is None
-        if first:
-            self.copy = empty_like(policy)
+        if first:  # built whole: ZeRO-3 would partition a model built while it is active (vision towers' are)
+            with self.backend.models_built_whole(self.accelerator):
+                self.copy = empty_like(policy)
         dtype, device = self.backend.sampling_dtype(policy), self.accelerator.device
         moving = {name for name, p in policy.named_parameters() if p.requires_grad}
         for name, tensor in self.backend.whole_parameters(policy, lambda n: first or n in moving):

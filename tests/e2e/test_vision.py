@@ -4,6 +4,7 @@ embedded drawn shapes; checked from outside with transformers alone."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from vlm_models import FAMILIES, HAS_TORCHVISION, greedy_accuracy, needs_torchvi
 
 # The families trained sharded: Qwen2.5-VL too where torchvision is installed.
 TRAINED = (*FAMILIES, *(("qwen2_5_vl",) if HAS_TORCHVISION else ()))
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 STEPS = {"llava": 60, "idefics3": 16, "gemma3": 16, "qwen2_5_vl": 16}  # LLaVA long enough to learn colours; the others to move
 # Resumed exactly after SIGTERM: 8 of an epoch's 28 steps, fp32, the images decoded in a data worker.
@@ -58,7 +60,7 @@ def vlms(tmp_path_factory, worker_id) -> Path:
 def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vision-runs")
     runs = {name: root / name for name in (*TRAINED, "llava-ddp", "llava-straight", "llava-lora", "dpo", "dpo-lora",
-                                           "grpo", "grpo-lora", "grpo-straight")}
+                                           "grpo", "grpo-lora", "grpo-straight", "grpo-zero3")}
     shapes = build_shapes(cache=root)
     pairs = shape_pairs(shapes)
     colours = shapes.with_name("colours.jsonl")  # beside the images
@@ -85,7 +87,9 @@ def vision_runs(vlms, tmp_path_factory, env) -> dict[str, Path]:
         (train + [vlms / "llava", "--output_dir", runs["grpo-lora"], *grpo, "--learning_rate", "5e-2", *LORA_WITH_HEAD],
          {}),
         (train + [vlms / "gemma3", "--output_dir", runs["grpo-straight"], *GRPO_RESUMED(colours, root)],
-         {"mixed_precision": "no"})], env)
+         {"mixed_precision": "no"}),
+        *([(train + [vlms / "llava", "--output_dir", runs["grpo-zero3"], *grpo, "--learning_rate", "2e-2"],
+            {"config": "zero3.yaml"})] if HAS_DEEPSPEED else [])], env)
     for proc in procs:
         check_ok(proc)
     return runs
@@ -213,13 +217,15 @@ def test_dpo_on_image_pairs_learns_sharded_with_every_weight_and_with_lora(run, 
     assert last["eval_loss"] < 0.64 and last["eval_rewards/accuracies"] > 0.6, last
 
 
-@pytest.mark.parametrize("run", ["grpo", "grpo-lora"])
+@pytest.mark.parametrize("run", ["grpo", "grpo-lora", pytest.param("grpo-zero3", marks=pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="DeepSpeed is not installed"))])
 def test_grpo_on_prompts_with_images_learns_sharded_with_every_weight_and_with_lora(run, vision_runs):
     """TRL's prompt-only rows with images: the model samples answers about
     each image, the reward functions get the images, and the greedy answers
-    to held-out images score higher at the end; the weights are sharded."""
+    to held-out images score higher at the end; the weights are sharded
+    (FSDP2, and ZeRO-3, whose sampling replica is built whole beside them)."""
     summary = json.loads((vision_runs[run] / "summary.json").read_text())
-    assert summary["method"] == "grpo" and summary["distributed_type"] == "FSDP"
+    assert summary["method"] == "grpo" and summary["distributed_type"] == ("DEEPSPEED" if "zero" in run else "FSDP")
     assert all(n < 0.6 * summary["total_params"] for n in summary["local_params_per_rank"])
     assert summary["last_eval"]["reward"] > summary["first_eval"]["reward"] + 0.2, (summary["first_eval"],
                                                                                       summary["last_eval"])
