@@ -11,9 +11,12 @@ completions as on any micro-batches. Sampling is seeded from (--seed, the
 rollout's number, the rank), and a checkpoint saves a rollout still in use,
 so a resume draws and trains on exactly what the uninterrupted run did.
 
-Sampling sits behind one seam, `Sampler.sample(model, prompt_ids,
-prompt_mask, greedy) -> Sampled` (completion ids, and the engine's log-probs
-of them where it computes its own), on the generation engine the run picked
+A training batch of prompts holds each prompt --num_generations times in a
+row (its group). Sampling sits behind one seam, `Sampler.sample(model,
+prompts, inputs, greedy) -> Sampled` (completion ids, and the engine's
+log-probs of them where it computes its own; `inputs`: what else the model
+reads of the prompts, a vision-language model's pixels, vision_rollouts.py),
+on the generation engine the run picked
 (engines.py: the policy as held, a replica, or vLLM's engine). Evaluations decode one greedy completion per held-out
 prompt and report its reward (`reward` in eval rows; `eval_loss` is its negative).
 """
