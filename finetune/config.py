@@ -399,12 +399,14 @@ class TrainConfig(*reversed(SECTIONS)):  # a dataclass takes its bases' fields, 
         objective = OBJECTIVE_REGISTRY.get(self.objective)
         mixing = [name for name, o in OBJECTIVE_REGISTRY.items() if o.reads_mixtures]
         plain = self.task == "causal-lm" and (objective is None or objective.reads_mixtures)
+        images = self.task == "image-text-to-text" and self.objective == "sft"  # streams one source of image rows
         if len(sources) > 1 and not plain:
             raise UsageError(f"a mixture of {len(sources)} sources is for --task causal-lm --method {one_of(mixing)}; "
                              f"train {self.task if self.task != 'causal-lm' else '--method ' + self.objective} on one "
                              "--dataset")
-        if self.streaming and not plain:
-            raise UsageError(f"--streaming is for --task causal-lm --method {one_of(mixing)}; train "
+        if self.streaming and not (plain or images):
+            raise UsageError(f"--streaming is for --task causal-lm --method {one_of(mixing)}, and for "
+                             "--task image-text-to-text --method sft; train "
                              f"{self.task if self.task != 'causal-lm' else '--method ' + self.objective} without it")
         if self.streaming and self.max_steps == 0:
             raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by; pass "

@@ -163,8 +163,9 @@ class RowBuilder:
     """Rows from examples, one mode per run: `blocks` (text only: documents
     concatenated, cut every block_size tokens, the tail of a pass dropped),
     `packed` (examples kept whole, first fit into a few open blocks, position
-    ids restarting at every example) or `examples` (one per row). Its state is
-    what it holds between rows."""
+    ids restarting at every example), `examples` (one per row) or `rows` (the
+    rows as read and checked, which the run's collator renders: images). Its
+    state is what it holds between rows."""
 
     def __init__(self, mode: str, block_size: int, sources: int):
         self.mode, self.block_size, self.sources = mode, block_size, sources
@@ -231,6 +232,9 @@ class RowBuilder:
                 self._cut_block(start)
                 start += self.block_size
             del self.carry[:start]
+            return
+        if self.mode == "rows":  # handed on at once: a saved state never holds one
+            self.ready.append(example)
             return
         labels = example.labels if example.labels is not None else list(example.input_ids)
         piece = {"input_ids": example.input_ids, "labels": labels, "source": example.source, "starts": example.starts}

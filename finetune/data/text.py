@@ -202,6 +202,7 @@ def _streamed_source(cfg, name: str, weight: float, rank: int,
     raw = load_source(name, builtin, TEXT_FILES, f"{'/'.join(TEXT_FILES)} files (or .gz/.zst)", cfg.dataset_config,
                       _txt_options(cfg.text_sample_by), streaming=True)
     train = train_split(raw, cfg.dataset_split)
+    raw, train = _images_as_stored(raw), _images_as_stored(train)
     first = _first_row(train, name)
     data_format = detect_format(list(first), cfg.data_format, cfg.text_column, name)
     text_column = cfg.text_column
@@ -225,6 +226,21 @@ def _streamed_source(cfg, name: str, weight: float, rank: int,
     source = Source(name, weight, data_format, lambda: split_dataset_by_node(train, rank=rank, world_size=world_size),
                     text_column=text_column, held_out=fraction)
     return source, held_out, train
+
+
+def _images_as_stored(rows):
+    """Image columns as their stored bytes and paths, not decoded: a row's
+    digest (held out or not, the chunk a resume reads again) is of its content,
+    and the collator decodes the images when it makes a batch."""
+    from datasets import Image
+
+    if isinstance(rows, IterableDatasetDict):
+        return IterableDatasetDict({split: _images_as_stored(part) for split, part in rows.items()})
+    for name, feature in (rows.features or {}).items():
+        inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)  # a list
+        if isinstance(feature, Image) or isinstance(inner, Image):
+            rows = rows.cast_column(name, [Image(decode=False)] if inner is not None else Image(decode=False))
+    return rows
 
 
 def readable(rows, name: str):

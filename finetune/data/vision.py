@@ -215,6 +215,21 @@ def check_rows(split, root: Path | None, name: str, talks=one_conversation) -> i
     return count
 
 
+class CheckedRows:
+    """A stream's rows, each checked as it is read (its conversations and its
+    images' headers, as `check_rows`) and handed on as stored: the collator
+    decodes the images when it makes a batch."""
+
+    def __init__(self, root: Path | None, name: str, talks=one_conversation):
+        self.root, self.name, self.talks = root, name, talks
+
+    def __call__(self, raw: list[tuple[int, int, dict]]) -> list[dict]:
+        """(source, example number, row) -> the row, numbered."""
+        rows = [{**row, EXAMPLE_NUMBER: number} for _, number, row in raw]
+        check_rows(rows, self.root, self.name, self.talks)
+        return rows
+
+
 # --- conversations -> batches --------------------------------------------------------------------
 
 class VisionChatEncoder(ChatEncoder):

@@ -7,19 +7,22 @@ blocks and its language model's layers are the FSDP units it names."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict
 from transformers import AutoProcessor, PreTrainedModel
 
 from finetune.backends.base import Backend
 from finetune.collectives import main_process_first
+from finetune.data.chat import EXAMPLE_NUMBER
+from finetune.data.mixture import RowStream
 from finetune.data.shapes import build_shapes
 from finetune.data.sources import limit_samples
-from finetune.data.text import load_raw_data
-from finetune.data.vision import VisionChatEncoder, VisionCollator, check_rows
+from finetune.data.text import load_raw_data, load_sources
+from finetune.data.vision import CheckedRows, VisionChatEncoder, VisionCollator, check_rows
 from finetune.errors import UsageError
 from finetune.models.vision import PROJECTORS, VISION_TOWERS, part_named
 from finetune.tasks.base import Scored, TaskData
@@ -121,7 +124,11 @@ class VisionLanguageLM(CausalLM):
 
     def build(self, accelerator: Accelerator, backend: Backend, run_dir: Path) -> tuple[PreTrainedModel, TaskData]:
         cfg = self.cfg
-        splits, root, description, data_format = main_process_first(accelerator, self._rows)
+        if cfg.streaming:
+            splits, root, description, data_format, stream = main_process_first(
+                accelerator, lambda: self._streamed(accelerator.process_index, accelerator.num_processes))
+        else:
+            (splits, root, description, data_format), stream = main_process_first(accelerator, self._rows), None
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
         from_main = self._loading_plan(accelerator, backend)
@@ -141,7 +148,7 @@ class VisionLanguageLM(CausalLM):
         tokenizer = self.processor.tokenizer
         return model, TaskData(splits["train"], splits["validation"], tokenizer, description,
                                collate=self._collate(data_format, tokenizer), data_format=data_format,
-                               processor=self.processor)
+                               processor=self.processor, stream=stream)
 
     def _processor(self):
         processor = load_processor(self.model_source, self.cfg.model, self.cfg.trust_remote_code)
@@ -152,11 +159,34 @@ class VisionLanguageLM(CausalLM):
         return self.collator(VisionChatEncoder(self.processor, self.cfg.train_on_prompt), self.cfg.block_size,
                              self.image_root)
 
+    def _dataset(self) -> str:
+        return str(build_shapes().with_name(self.builtin)) if self.cfg.dataset == "builtin" else self.cfg.dataset
+
+    def _streamed(self, rank: int, world_size: int) -> tuple[dict, Path | None, str, str, RowStream]:
+        """--streaming: the held-out rows (read first, checked), and this
+        rank's training rows as a stream, each row checked as it is read."""
+        cfg = self.cfg
+        dataset = self._dataset()
+        loaded = load_sources(replace(cfg, dataset=dataset), rank, world_size)
+        data_format = loaded.sources[0].data_format
+        if data_format not in self.formats:
+            raise UsageError(f"--task {self.name} trains on conversations (messages, with an images column) or "
+                             f"prompt/completion rows with an image column, and --dataset {cfg.dataset} holds "
+                             f"{data_format} rows; give it those columns")
+        root, name = data_root(dataset), f"--dataset {cfg.dataset}"
+        validation = Dataset.from_list([{**row, EXAMPLE_NUMBER: i + 1} for i, row in enumerate(loaded.validation[0])])
+        images = check_rows(validation, root, name, self.collator.talks)
+        stream = RowStream(loaded.sources, CheckedRows(root, name, self.collator.talks), "rows", cfg.block_size,
+                           cfg.mixture_stop, cfg.seed, rank, workers=cfg.dataloader_num_workers)
+        description = (f"{self.rows_are} streamed from {cfg.dataset}, each checked as it is read; "
+                       f"{len(validation)} held-out {self.rows_are} with {images} images")
+        return {"train": None, "validation": validation}, root, description, data_format, stream
+
     def _rows(self) -> tuple[DatasetDict, Path | None, str, str]:
         """The splits (rows as stored, images not decoded), the dir image paths
         start from, what they hold, and their format; every row and image checked."""
         cfg = self.cfg
-        dataset = str(build_shapes().with_name(self.builtin)) if cfg.dataset == "builtin" else cfg.dataset
+        dataset = self._dataset()
         raw, data_format = load_raw_data(dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
                                          config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          objective=cfg.objective)
@@ -186,6 +216,10 @@ class VisionLanguageLM(CausalLM):
         return Scores(nll, nll.sum(), targets != IGNORE, batch["attention_mask"].sum())
 
     def held_out(self, model: PreTrainedModel, tokenizer) -> Scored:
-        splits, self.image_root, _, data_format = self._rows()
+        if self.cfg.streaming:
+            splits, self.image_root, _, data_format, stream = self._streamed(rank=0, world_size=1)
+            stream.close()
+        else:
+            splits, self.image_root, _, data_format = self._rows()
         self.processor = self._processor()
         return Scored(splits["validation"], self._collate(data_format, tokenizer), len(splits["validation"]))
