@@ -94,6 +94,8 @@ class PairObjective(Objective):
     chosen and rejected rows stacked (pairs.py), and a loss on each pair's
     completion log-probs (`pair_losses`)."""
     task_class = "finetune.objectives.pairs:PreferenceLM"
+    task_classes = {"image-text-to-text": "finetune.objectives.vision_pairs:VisionPreferenceLM"}
+    tasks = ("causal-lm", "image-text-to-text")
     data_format = "preference"
     shared = (PromptOptions, BetaOptions)
     # Preference tuning moves a model much less than SFT: TRL's DPOConfig

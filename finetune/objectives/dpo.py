@@ -33,8 +33,6 @@ class DPO(PairObjective):
                "under LoRA")
     options = DPOOptions
     shared = (*PairObjective.shared, ReferenceOptions)
-    tasks = ("causal-lm", "image-text-to-text")
-    task_classes = {"image-text-to-text": "finetune.objectives.vision_pairs:VisionPreferenceLM"}
 
     def check(self, cfg) -> None:
         super().check(cfg)

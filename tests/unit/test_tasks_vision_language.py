@@ -68,3 +68,23 @@ def test_freezing_parts_a_model_lacks_is_refused():
     with pytest.raises(UsageError, match="has no module named vision_tower"):
         freeze_parts(T.LlamaForCausalLM(T.LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                                       num_attention_heads=2, vocab_size=16)), options())
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo", "orpo", "simpo", "grpo", "rloo"])
+def test_each_method_that_takes_images_trains_on_them_with_its_own_loss(method):
+    """Pairs (DPO, ORPO, SimPO) and rollouts (GRPO, RLOO) each have their
+    vision task: the family's processor makes the batches, the objective's
+    task its loss; text's task for the same method on causal-lm."""
+    from finetune.config import TrainConfig
+    from finetune.objectives import REGISTRY, build_task
+    from finetune.objectives.pairs import PreferenceLM
+    from finetune.objectives.rollouts import RolloutLM
+    from finetune.tasks.vision_language import VisionLanguageLM
+
+    options = {"reward_funcs": ["exact_match"]} if method in ("grpo", "rloo") else {}
+    vision = build_task(TrainConfig(task="image-text-to-text", objective=method, **options))
+    text = build_task(TrainConfig(task="causal-lm", objective=method, **options))
+    assert isinstance(vision, VisionLanguageLM) and not isinstance(text, VisionLanguageLM)
+    assert "image-text-to-text" in REGISTRY[method].tasks
+    for family in (PreferenceLM, RolloutLM):
+        assert isinstance(vision, family) == isinstance(text, family)
