@@ -154,6 +154,6 @@ def shape_pairs(shapes: Path) -> Path:
         pairs.append({"prompt": row["messages"][:1], "images": row["images"],
                       "chosen": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}],
                       "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}]})
-    path = shapes.with_name("pairs.jsonl")
+    path = shapes.with_name("cross-pairs.jsonl")  # beside the images, and the built-in pairs.jsonl
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     return path
