@@ -230,6 +230,17 @@ class CheckedRows:
         return rows
 
 
+def processed(processor, texts: list[str], images: list[list], where: str, **options) -> dict:
+    """The processor's batch of rendered texts and their images, padded; its
+    own refusal (image sizes, token counts) as one line naming the rows."""
+    try:
+        return dict(processor(text=texts, images=images if any(images) else None, padding=True,
+                              add_special_tokens=False, return_tensors="pt", **options))
+    except ValueError as e:
+        raise UsageError(f"{where} (or another row of its batch): the processor refused it "
+                         f"({str(e).splitlines()[0][:160]}); fix the row or its images") from None
+
+
 # --- conversations -> batches --------------------------------------------------------------------
 
 class VisionChatEncoder(ChatEncoder):
@@ -283,13 +294,8 @@ class VisionCollator:
         encoder, processor = self.encoder, self.encoder.processor
         rendered = [encoder.render(encoder.text_view(t.messages), t.where) for t in talks]
         images = [[open_image(ref, self.root, t.where) for ref in t.images] for t in talks]
-        try:
-            out = processor(text=[text for text, _ in rendered], images=images if any(images) else None,
-                            padding=True, padding_side="right", add_special_tokens=False, return_tensors="pt",
-                            return_offsets_mapping=True, return_text_replacement_offsets=True)
-        except ValueError as e:  # the processor's own checks (image sizes, token counts)
-            raise UsageError(f"{talks[0].where} (or another row of its batch): the processor refused it "
-                             f"({str(e).splitlines()[0][:160]}); fix the row or its images") from None
+        out = processed(processor, [text for text, _ in rendered], images, talks[0].where, padding_side="right",
+                        return_offsets_mapping=True, return_text_replacement_offsets=True)
         offsets = out.pop("offset_mapping").tolist()
         replacements = out.pop("text_replacement_offsets", None) or [[] for _ in talks]
         ids, real = out["input_ids"], out["attention_mask"].bool()
@@ -306,7 +312,7 @@ class VisionCollator:
             for key in TOKEN_KEYS:
                 if key in out:
                     out[key] = out[key][:, : self.block_size]
-        return dict(out)
+        return out
 
     def _check_length(self, talk: Conversation, length: int, image: torch.Tensor) -> None:
         """A row longer than --block_size loses its tail; one whose images do not fit is refused."""
@@ -326,18 +332,15 @@ class VisionPromptCollator:
         self.processor, self.room, self.root, self.copies = processor, room, root, copies
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [row for row in rows for _ in range(self.copies)]
         talks = [self.talks(row, f"example {row.get(EXAMPLE_NUMBER, i + 1)}")[0] for i, row in enumerate(rows)]
         texts = [self.processor.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in t.messages],
                                                     tokenize=False, add_generation_prompt=True) for t in talks]
         images = [[open_image(ref, self.root, t.where) for ref in t.images] for t in talks]
-        try:
-            out = self.processor(text=texts, images=images if any(images) else None, padding=True,
-                                 padding_side="left", add_special_tokens=False, return_tensors="pt")
-        except ValueError as e:  # the processor's own checks (image sizes, token counts)
-            raise UsageError(f"{talks[0].where} (or another row of its batch): the processor refused it "
-                             f"({str(e).splitlines()[0][:160]}); fix the row or its images") from None
-        out = dict(out)
+        # Each prompt rendered and decoded once, then processed `copies` times: the processor lays out
+        # every family's image tensors (per image, per row, per patch) for the repeated rows.
+        rows, talks, texts, images = ([item for item in items for _ in range(self.copies)]
+                                      for items in (rows, talks, texts, images))
+        out = processed(self.processor, texts, images, talks[0].where, padding_side="left")
         ids, mask = out.pop("input_ids"), out.pop("attention_mask")
         for talk, length in zip(talks, mask.sum(1).tolist()):
             if length > self.room:

@@ -168,11 +168,7 @@ class VisionLanguageLM(CausalLM):
         cfg = self.cfg
         dataset = self._dataset()
         loaded = load_sources(replace(cfg, dataset=dataset), rank, world_size)
-        data_format = loaded.sources[0].data_format
-        if data_format not in self.formats:
-            raise UsageError(f"--task {self.name} trains on conversations (messages, with an images column) or "
-                             f"prompt/completion rows with an image column, and --dataset {cfg.dataset} holds "
-                             f"{data_format} rows; give it those columns")
+        data_format = self._checked_format(loaded.sources[0].data_format)
         root, name = data_root(dataset), f"--dataset {cfg.dataset}"
         validation = Dataset.from_list([{**row, EXAMPLE_NUMBER: i + 1} for i, row in enumerate(loaded.validation[0])])
         images = check_rows(validation, root, name, self.collator.talks)
@@ -190,10 +186,7 @@ class VisionLanguageLM(CausalLM):
         raw, data_format = load_raw_data(dataset, cfg.data_format, cfg.text_column, cfg.validation_split, cfg.seed,
                                          config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
                                          objective=cfg.objective)
-        if data_format not in self.formats:
-            raise UsageError(f"--task {self.name} trains on conversations (messages, with an images column) or "
-                             f"prompt/completion rows with an image column, and --dataset {cfg.dataset} holds "
-                             f"{data_format} rows; give it those columns")
+        self._checked_format(data_format)
         raw = limit_samples(raw, cfg.max_train_samples, cfg.max_eval_samples)
         root = data_root(dataset)
         images = {name: check_rows(split, root, f"--dataset {cfg.dataset}", self.collator.talks)
@@ -201,6 +194,13 @@ class VisionLanguageLM(CausalLM):
         description = (f"{len(raw['train'])} train / {len(raw['validation'])} validation {self.rows_are} with "
                        f"{images['train']} / {images['validation']} images")
         return raw, root, description, data_format
+
+    def _checked_format(self, data_format: str) -> str:
+        if data_format not in self.formats:
+            raise UsageError(f"--task {self.name} trains on conversations (messages, with an images column) or "
+                             f"prompt/completion rows with an image column, and --dataset {self.cfg.dataset} holds "
+                             f"{data_format} rows; give it those columns")
+        return data_format
 
     def targets(self, batch: dict) -> int:
         return int((next_token_targets(batch["labels"]) != IGNORE).sum())
